@@ -1,0 +1,366 @@
+"""Encode memory chunks into a bank: keys and content caches (DESIGN.md section 1.1).
+
+For chunk i with final-layer states ``H_i`` [L_i, d] (``hidden_states[-1]``):
+``key_i = H_i[L_i-1] / ||H_i[L_i-1]||`` and ``cache_i = H_i[max(0, L_i-N_c):]``,
+stored right-aligned in an [N_c, d] slot with ``cache_len_i = min(L_i, N_c)``.
+
+Rows are split into fixed shards. Each shard is encoded in length-sorted,
+right-padded batches (right padding leaves every real position's state as in
+an unpadded forward pass, so results do not depend on batch size), written to
+a temporary file and renamed, and recorded in ``.build/``; an interrupted
+build skips finished shards. Processes started by ``accelerate launch`` take
+shards round-robin; the main process writes the manifest once all are done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from safetensors.torch import save as st_save
+from tqdm.auto import tqdm
+
+from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, MANIFEST, Bank, BankError, shard_name
+from elasticmem.config import BankConfig, ChunkingConfig
+from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
+from elasticmem.data.schema import Example, SchemaError
+
+BUILD_DIR = ".build"
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def encode_batch(
+    decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], n_cache: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and content caches of a batch of chunks.
+
+    Args:
+        decoder: the base transformer (``model.get_decoder()``) whose ``last_hidden_state``
+            equals ``hidden_states[-1]`` of the causal LM (after the final norm).
+        token_ids: B lists of token ids, lengths L_i >= 1.
+    Returns:
+        keys [B, d] float32 L2-normalised; cache [B, n_cache, d] in the model dtype,
+        valid states right-aligned, zeros elsewhere; cache_len [B] int32.
+    """
+    device = next(decoder.parameters()).device
+    lengths = torch.tensor([len(t) for t in token_ids], device=device)
+    L = int(lengths.max())
+    ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
+    for i, t in enumerate(token_ids):
+        ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+    ids = ids.to(device)
+    mask = (torch.arange(L, device=device)[None, :] < lengths[:, None]).long()
+    H = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, L, d]
+    B = H.shape[0]
+    last = H[torch.arange(B, device=device), lengths - 1].float()
+    keys = torch.nn.functional.normalize(last, dim=-1)
+    pos = lengths[:, None] - n_cache + torch.arange(n_cache, device=device)[None, :]  # [B, n_cache]
+    valid = pos >= 0
+    cache = torch.gather(H, 1, pos.clamp(min=0)[:, :, None].expand(-1, -1, H.shape[-1]))
+    cache = cache * valid[:, :, None].to(cache.dtype)
+    cache_len = lengths.clamp(max=n_cache).to(torch.int32)
+    return keys, cache, cache_len
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class Plan:
+    """Everything that determines the bank's content, fixed before encoding."""
+
+    chunks: list[Chunk]
+    token_ids: list[list[int]]
+    groups: dict[str, tuple[int, int]]
+    shard_bounds: list[tuple[int, int]]
+    header: dict[str, Any]
+    """Manifest fields known before encoding (encoder, shapes, tokenization)."""
+    plan_id: str
+
+
+def collect_groups(examples_by_split: dict[str, list[Example]]) -> dict[str, Example]:
+    """First example of each group, in order of appearance; a group's examples must share a history."""
+    first: dict[str, Example] = {}
+    digests: dict[str, str] = {}
+    for split, examples in examples_by_split.items():
+        for ex in examples:
+            d = hashlib.sha256(
+                json.dumps([[t.to_json() for t in s] for s in ex.history], sort_keys=True).encode()
+            ).hexdigest()
+            if ex.group not in first:
+                first[ex.group], digests[ex.group] = ex, d
+            elif digests[ex.group] != d:
+                raise SchemaError(
+                    f"split '{split}', example {ex.id!r}: group {ex.group!r} has a different history than "
+                    f"example {first[ex.group].id!r}; examples of one group must share one history"
+                )
+    return first
+
+
+def make_plan(
+    examples_by_split: dict[str, list[Example]],
+    tokenizer,
+    chunking: ChunkingConfig,
+    bank_cfg: BankConfig,
+    encoder: dict[str, str],
+    hidden_size: int,
+    cache_dtype: str,
+) -> Plan:
+    groups_first = collect_groups(examples_by_split)
+    if not groups_first:
+        raise SchemaError("no examples found: the bank would be empty")
+    chunks: list[Chunk] = []
+    groups: dict[str, tuple[int, int]] = {}
+    for g, ex in groups_first.items():
+        cs = chunk_history(ex.history, g)
+        if not cs:
+            raise SchemaError(f"example {ex.id!r} (group {g!r}) has no turns: nothing to remember")
+        groups[g] = (len(chunks), len(chunks) + len(cs))
+        chunks.extend(cs)
+    token_ids = tokenize_chunks(
+        [c.text for c in chunks], tokenizer, chunking.max_tokens, chunking.truncation_side, chunking.add_special_tokens
+    )
+    if bank_cfg.shard_rows < 1 or bank_cfg.n_cache < 1 or bank_cfg.batch_size < 1:
+        raise ValueError("bank.shard_rows, bank.n_cache and bank.batch_size must be >= 1")
+    n = len(chunks)
+    bounds = [(a, min(a + bank_cfg.shard_rows, n)) for a in range(0, n, bank_cfg.shard_rows)]
+    header = {
+        "format_version": FORMAT_VERSION,
+        "encoder": encoder,
+        "hidden_size": hidden_size,
+        "n_cache": bank_cfg.n_cache,
+        "cache_dtype": cache_dtype,
+        "num_chunks": n,
+        "tokenization": {
+            "add_special_tokens": chunking.add_special_tokens,
+            "max_tokens": chunking.max_tokens,
+            "truncation_side": chunking.truncation_side,
+        },
+    }
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    h.update(json.dumps(groups, sort_keys=True).encode())
+    h.update(json.dumps(bounds).encode())
+    for ids in token_ids:
+        h.update(len(ids).to_bytes(4, "little"))
+        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return Plan(chunks, token_ids, groups, bounds, header, h.hexdigest())
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def encode_shard(
+    decoder: torch.nn.Module,
+    token_ids: Sequence[Sequence[int]],
+    n_cache: int,
+    batch_size: int,
+    pad_id: int,
+    cache_dtype: torch.dtype,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``."""
+    n = len(token_ids)
+    d = decoder.config.hidden_size
+    keys = torch.empty(n, d, dtype=torch.float32)
+    cache = torch.empty(n, n_cache, d, dtype=cache_dtype)
+    cache_len = torch.empty(n, dtype=torch.int32)
+    order = sorted(range(n), key=lambda i: -len(token_ids[i]))  # length-sorted: little padding
+    with torch.inference_mode():
+        for a in range(0, n, batch_size):
+            idx = order[a : a + batch_size]
+            k, c, cl = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id)
+            c = c.to(cache_dtype)
+            if not torch.isfinite(c).all():
+                raise FloatingPointError(
+                    f"non-finite values after casting the cache to {cache_dtype}; "
+                    f"use bank.cache_dtype=float32 or bfloat16"
+                )
+            t = torch.as_tensor(idx)
+            keys[t], cache[t], cache_len[t] = k.cpu(), c.cpu(), cl.cpu()
+            if progress is not None:
+                progress(len(idx))
+    return {"keys": keys, "cache": cache, "cache_len": cache_len}
+
+
+def _write_shard(out: Path, i: int, tensors: dict[str, torch.Tensor], plan_id: str) -> dict[str, Any]:
+    data = st_save(tensors, metadata={"plan_id": plan_id})
+    digest = hashlib.sha256(data).hexdigest()
+    _atomic_write_bytes(out / shard_name(i), data)
+    rec = {"file": shard_name(i), "rows": int(tensors["keys"].shape[0]), "sha256": digest, "bytes": len(data)}
+    _atomic_write_text(out / BUILD_DIR / f"{shard_name(i)}.json", json.dumps(rec))
+    return rec
+
+
+def _done_record(out: Path, i: int) -> dict[str, Any] | None:
+    """The record of a finished shard, if its file is there with the recorded size."""
+    rec_path = out / BUILD_DIR / f"{shard_name(i)}.json"
+    if not rec_path.is_file():
+        return None
+    try:
+        rec = json.loads(rec_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    f = out / rec["file"]
+    return rec if f.is_file() and f.stat().st_size == rec["bytes"] else None
+
+
+def _prepare_dir(out: Path, plan: Plan, overwrite: bool, is_main: bool) -> str:
+    """Decide what to do with the output folder: 'done', 'resume' or 'fresh'."""
+    manifest = out / MANIFEST
+    state = out / BUILD_DIR / "plan.json"
+    if manifest.is_file() and not overwrite:
+        old = json.loads(manifest.read_text())
+        if old.get("build", {}).get("plan_id") == plan.plan_id:
+            return "done"
+        raise BankError(
+            f"{out} already holds a different bank (other encoder, data or settings); "
+            f"set bank.overwrite=true to replace it or choose another bank.dir"
+        )
+    if state.is_file() and not overwrite:
+        if json.loads(state.read_text()).get("plan_id") == plan.plan_id:
+            return "resume"
+        raise BankError(
+            f"{out} holds an unfinished build of a different bank; set bank.overwrite=true to discard it"
+        )
+    if is_main:
+        if out.exists():
+            for p in out.iterdir():
+                if p.name in (MANIFEST, CHUNKS, BUILD_DIR, "index.faiss", "index.json", "config.yaml") or (
+                    p.name.startswith("shard-")
+                ):
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (out / BUILD_DIR).mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(state, json.dumps({"plan_id": plan.plan_id, "header": plan.header}))
+    return "fresh"
+
+
+def _write_chunks(out: Path, plan: Plan) -> None:
+    lines = []
+    for row, (c, ids) in enumerate(zip(plan.chunks, plan.token_ids)):
+        rec = {"row": row, "group": c.group, "text": c.text, "n_tokens": len(ids),
+               "session": c.session, "turns": list(c.turns)}
+        lines.append(json.dumps(rec, ensure_ascii=False))
+    _atomic_write_text(out / CHUNKS, "\n".join(lines) + "\n")
+
+
+@dataclass
+class BuildResult:
+    bank_dir: Path
+    status: str
+    """'built', 'resumed' or 'already built'."""
+    num_chunks: int
+    num_groups: int
+    num_tokens: int
+    shards_encoded: int
+    seconds: float
+
+
+def build_bank(
+    examples_by_split: dict[str, list[Example]],
+    backbone,
+    chunking: ChunkingConfig,
+    bank_cfg: BankConfig,
+    cache_dtype: torch.dtype,
+    state=None,
+    show_progress: bool = True,
+) -> BuildResult:
+    """Build (or resume, or confirm) the bank in ``bank_cfg.dir``.
+
+    ``state`` is an ``accelerate.PartialState`` (or anything with ``process_index``,
+    ``num_processes``, ``is_main_process``, ``wait_for_everyone()``); None = one process.
+    """
+    t0 = time.perf_counter()
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    is_main = rank == 0
+    barrier = state.wait_for_everyone if state is not None else (lambda: None)
+    out = Path(bank_cfg.dir)
+    encoder = {
+        "name_or_path": backbone.name_or_path,
+        "fingerprint": backbone.fingerprint,
+        "dtype": str(next(backbone.model.parameters()).dtype).removeprefix("torch."),
+    }
+    plan = make_plan(
+        examples_by_split, backbone.tokenizer, chunking, bank_cfg, encoder,
+        backbone.hidden_size, str(cache_dtype).removeprefix("torch."),
+    )
+    num_tokens = sum(len(t) for t in plan.token_ids)
+    # Every process inspects the folder before anyone changes it, then the main one prepares it.
+    status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=False) if not is_main else None
+    barrier()
+    if is_main:
+        status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=True)
+        if status != "done":
+            _write_chunks(out, plan)
+    barrier()
+    if status == "done":
+        return BuildResult(out, "already built", len(plan.chunks), len(plan.groups), num_tokens, 0,
+                           time.perf_counter() - t0)
+
+    mine = [i for i in range(len(plan.shard_bounds)) if i % world == rank]
+    todo = [i for i in mine if _done_record(out, i) is None]
+    rows_todo = sum(plan.shard_bounds[i][1] - plan.shard_bounds[i][0] for i in todo)
+    decoder = backbone.model.get_decoder()
+    bar = tqdm(total=rows_todo, desc="encoding chunks", unit="chunk", disable=not (show_progress and is_main),
+               file=sys.stderr, dynamic_ncols=True)
+    for i in todo:
+        a, b = plan.shard_bounds[i]
+        tensors = encode_shard(
+            decoder, plan.token_ids[a:b], bank_cfg.n_cache, bank_cfg.batch_size,
+            backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update,
+        )
+        _write_shard(out, i, tensors, plan.plan_id)
+    bar.close()
+    barrier()
+
+    if is_main:
+        shards = []
+        for i in range(len(plan.shard_bounds)):
+            rec = _done_record(out, i)
+            if rec is None:
+                raise BankError(f"shard {i} of {out} was not written by its process")
+            shards.append(rec)
+        manifest = dict(plan.header)
+        manifest["shards"] = shards
+        manifest["groups"] = {g: list(r) for g, r in plan.groups.items()}
+        manifest["build"] = {"plan_id": plan.plan_id, "num_processes": world, "num_tokens": num_tokens}
+        _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+        shutil.rmtree(out / BUILD_DIR, ignore_errors=True)
+        for p in out.glob("*.tmp*"):  # debris of a crash mid-write
+            p.unlink()
+    barrier()
+    return BuildResult(
+        out, "resumed" if status == "resume" else "built", len(plan.chunks), len(plan.groups), num_tokens,
+        len(todo), time.perf_counter() - t0,
+    )
+
+
+def resolve_cache_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return getattr(torch, spec)
+
+
+__all__ = ["Bank", "BuildResult", "build_bank", "encode_batch", "encode_shard", "make_plan", "resolve_cache_dtype"]

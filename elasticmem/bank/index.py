@@ -1,0 +1,161 @@
+"""Cosine top-k over bank keys, optionally restricted to one group per query.
+
+Keys are L2-normalised, so cosine is the inner product; queries are
+normalised here. Exact search: ``torch`` (matmul + topk) or FAISS ``flat``.
+Approximate search for large shared banks: FAISS ``ivf`` (IVFFlat, inner
+product) or ``hnsw`` (HNSWFlat, inner product). Groups occupy contiguous row
+ranges, so exact restricted search is a slice and approximate restricted
+search is an ``IDSelectorRange`` filter.
+
+When a group has fewer than k rows the missing places hold row -1 and
+score -inf (callers use what exists).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from elasticmem.bank.store import Bank
+from elasticmem.config import IndexConfig
+
+
+class SearchResult(NamedTuple):
+    scores: torch.Tensor
+    """[Q, k] float32 cosine scores, descending; -inf where a group had fewer than k rows."""
+    rows: torch.Tensor
+    """[Q, k] int64 global bank rows; -1 where a group had fewer than k rows."""
+
+
+class KeyIndex(Protocol):
+    def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
+        """Top-``k`` rows for each query [Q, d]; ``groups[q]`` restricts query q to one group."""
+        ...
+
+
+def _normalise(q: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(q.detach().float().cpu(), dim=-1)
+
+
+def _by_group(groups: Sequence[str] | None, n: int) -> dict[str | None, list[int]]:
+    """Query indices per group (None = whole bank), keeping order of first appearance."""
+    if groups is None:
+        return {None: list(range(n))}
+    if len(groups) != n:
+        raise ValueError(f"got {n} queries but {len(groups)} groups")
+    out: dict[str | None, list[int]] = {}
+    for i, g in enumerate(groups):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+def _empty(n: int, k: int) -> SearchResult:
+    return SearchResult(torch.full((n, k), float("-inf")), torch.full((n, k), -1, dtype=torch.long))
+
+
+class TorchIndex:
+    """Exact search by matrix product; keys stay memory-mapped until first use."""
+
+    def __init__(self, bank: Bank):
+        self.bank = bank
+        self._keys: torch.Tensor | None = None
+
+    def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
+        q = _normalise(queries)
+        res = _empty(q.shape[0], k)
+        for g, idx in _by_group(groups, q.shape[0]).items():
+            start, end = (0, self.bank.num_chunks) if g is None else self.bank.group_rows(g)
+            keys = self.bank.keys(start, end)
+            kk = min(k, end - start)
+            if kk == 0:
+                continue
+            s, r = torch.topk(q[idx] @ keys.T, kk, dim=-1)
+            t = torch.as_tensor(idx)
+            res.scores[t, :kk] = s
+            res.rows[t, :kk] = r + start
+        return res
+
+
+class FaissIndex:
+    """FAISS flat (exact), IVF or HNSW over all keys; groups via an ID-range selector."""
+
+    def __init__(self, bank: Bank, cfg: IndexConfig, seed: int = 0):
+        import faiss
+
+        self.faiss, self.bank, self.cfg = faiss, bank, cfg
+        self.index = self._load_or_build(seed)
+
+    def _describe(self) -> dict:
+        c = self.cfg
+        params = {"flat": {}, "ivf": {"nlist": self._nlist()}, "hnsw": {"m": c.hnsw_m, "ef_construction": c.ef_construction}}
+        return {"type": c.type, **params[c.type], "num_chunks": self.bank.num_chunks,
+                "plan_id": self.bank.manifest.get("build", {}).get("plan_id")}
+
+    def _nlist(self) -> int:
+        return self.cfg.nlist or max(1, int(4 * math.sqrt(self.bank.num_chunks)))
+
+    def _load_or_build(self, seed: int):
+        faiss, cfg = self.faiss, self.cfg
+        path, meta = self.bank.root / "index.faiss", self.bank.root / "index.json"
+        if cfg.type != "flat" and cfg.save and path.is_file() and meta.is_file():
+            if json.loads(meta.read_text()) == self._describe():
+                return faiss.read_index(str(path))
+        keys = np.ascontiguousarray(self.bank.keys().numpy(), dtype=np.float32)
+        d = keys.shape[1]
+        if cfg.type == "flat":
+            index = faiss.IndexFlatIP(d)
+        elif cfg.type == "ivf":
+            nlist = min(self._nlist(), keys.shape[0])
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+            rng = np.random.default_rng(seed)
+            sample = keys if keys.shape[0] <= cfg.train_size else keys[rng.choice(keys.shape[0], cfg.train_size, replace=False)]
+            index.train(sample)
+        elif cfg.type == "hnsw":
+            index = faiss.IndexHNSWFlat(d, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = cfg.ef_construction
+        else:
+            raise ValueError(f"unknown index type {cfg.type!r}")
+        index.add(keys)
+        if cfg.type != "flat" and cfg.save:
+            tmp = path.with_name("index.faiss.tmp")
+            faiss.write_index(index, str(tmp))
+            tmp.replace(path)
+            meta.write_text(json.dumps(self._describe()))
+        return index
+
+    def _params(self, sel):
+        faiss, cfg = self.faiss, self.cfg
+        if cfg.type == "ivf":
+            return faiss.SearchParametersIVF(sel=sel, nprobe=cfg.nprobe)
+        if cfg.type == "hnsw":
+            return faiss.SearchParametersHNSW(sel=sel, efSearch=cfg.ef_search)
+        return faiss.SearchParameters(sel=sel) if sel is not None else None
+
+    def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
+        q = _normalise(queries).numpy()
+        res = _empty(q.shape[0], k)
+        for g, idx in _by_group(groups, q.shape[0]).items():
+            sel = None
+            if g is not None:
+                start, end = self.bank.group_rows(g)
+                if (start, end) != (0, self.bank.num_chunks):
+                    sel = self.faiss.IDSelectorRange(start, end)
+            D, I = self.index.search(q[idx], k, params=self._params(sel))
+            t = torch.as_tensor(idx)
+            rows = torch.from_numpy(I).long()
+            scores = torch.from_numpy(D).float()
+            scores[rows < 0] = float("-inf")
+            res.scores[t], res.rows[t] = scores, rows
+        return res
+
+
+def build_index(bank: Bank, cfg: IndexConfig, seed: int = 0) -> KeyIndex:
+    """The index named by ``cfg.type`` over ``bank``."""
+    if cfg.type == "torch":
+        return TorchIndex(bank)
+    return FaissIndex(bank, cfg, seed)

@@ -1,0 +1,221 @@
+"""Open a built bank: manifest, memory-mapped shards, chunk texts.
+
+Shards are safetensors files read through ``safe_open``, which maps them: a
+10 GB bank opens in milliseconds and only the rows you touch are read.
+Opening checks that every shard exists with its recorded size (a cheap test
+that catches truncation); ``verify=True`` (or ``Bank.verify()``) re-hashes
+every shard against the manifest's sha256, which reads the whole bank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CHUNKS = "chunks.jsonl"
+
+
+class BankError(RuntimeError):
+    """A bank folder is missing, incomplete, corrupted or built for another encoder."""
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(bufsize):
+            h.update(b)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    rows: int
+    sha256: str
+    bytes: int
+    start: int
+    """First global row of the shard."""
+
+
+class Bank:
+    """Read-only view of a bank folder (DESIGN.md section 3.1)."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]):
+        self.root = root
+        self.manifest = manifest
+        self.shards: list[ShardInfo] = []
+        start = 0
+        for s in manifest["shards"]:
+            self.shards.append(ShardInfo(s["file"], int(s["rows"]), s["sha256"], int(s["bytes"]), start))
+            start += int(s["rows"])
+        if start != self.num_chunks:
+            raise BankError(f"{root / MANIFEST}: shards hold {start} rows but num_chunks is {self.num_chunks}")
+        self._starts = np.array([s.start for s in self.shards], dtype=np.int64)
+        self.groups: dict[str, tuple[int, int]] = {g: (int(a), int(b)) for g, (a, b) in manifest["groups"].items()}
+        self._handles: list[Any] = []
+        for s in self.shards:
+            path = root / s.file
+            try:
+                self._handles.append(safe_open(str(path), framework="pt"))
+            except Exception as e:  # safetensors raises its own error types for broken headers
+                raise BankError(f"bank shard {path} cannot be opened ({e}); rebuild the bank") from None
+        self._chunks: list[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, root: str | Path, expect_fingerprint: str | None = None, verify: bool = False) -> "Bank":
+        root = Path(root)
+        mpath = root / MANIFEST
+        if not mpath.is_file():
+            hint = " (an unfinished build: run build_bank.py again to resume it)" if (root / ".build").is_dir() else ""
+            raise BankError(f"no bank at {root}: {MANIFEST} is missing{hint}")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise BankError(f"{mpath}: not valid JSON ({e})") from None
+        version = manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise BankError(f"{mpath}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+        enc = manifest["encoder"]
+        if expect_fingerprint is not None and enc["fingerprint"] != expect_fingerprint:
+            raise BankError(
+                f"bank {root} was encoded by {enc['name_or_path']!r} (fingerprint {enc['fingerprint'][:23]}...), "
+                f"but the model in use has fingerprint {expect_fingerprint[:23]}...: keys and caches would "
+                f"not match its hidden states. Rebuild the bank with this model (build_bank.py) or load the "
+                f"encoder it was built with."
+            )
+        for s in manifest["shards"]:
+            p = root / s["file"]
+            if not p.is_file():
+                raise BankError(f"bank shard {p} is missing")
+            size = p.stat().st_size
+            if size != s["bytes"]:
+                raise BankError(
+                    f"bank shard {p} is {size} bytes but the manifest records {s['bytes']}: the file is "
+                    f"truncated or was replaced; rebuild the bank"
+                )
+        bank = cls(root, manifest)
+        if verify:
+            bank.verify()
+        return bank
+
+    def verify(self) -> None:
+        """Re-hash every shard (reads the whole bank) and compare with the manifest."""
+        for s in self.shards:
+            digest = sha256_file(self.root / s.file)
+            if digest != s.sha256:
+                raise BankError(
+                    f"bank shard {self.root / s.file} is corrupted: sha256 {digest[:16]}... does not match "
+                    f"the manifest's {s.sha256[:16]}...; rebuild the bank"
+                )
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.manifest["num_chunks"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def n_cache(self) -> int:
+        return int(self.manifest["n_cache"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["encoder"]["fingerprint"]
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def group_rows(self, group: str) -> tuple[int, int]:
+        """``[start, end)`` rows of a group."""
+        try:
+            return self.groups[group]
+        except KeyError:
+            raise KeyError(f"group {group!r} is not in bank {self.root} ({len(self.groups)} groups)") from None
+
+    # ------------------------------------------------------------------ tensors
+
+    def _shard_tensor(self, i: int, name: str) -> torch.Tensor:
+        return self._handles[i].get_tensor(name)  # memory-mapped, no copy
+
+    def _range(self, name: str, start: int, end: int) -> torch.Tensor:
+        parts = []
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < end:
+            s = self.shards[i]
+            a, b = start - s.start, min(end, s.start + s.rows) - s.start
+            parts.append(self._shard_tensor(i, name)[a:b])
+            start = s.start + b
+            i += 1
+        if not parts:
+            return self._shard_tensor(0, name)[:0]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def keys(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Keys of rows ``[start, end)``: [rows, d] float32, L2-normalised (a view when in one shard)."""
+        return self._range("keys", start, self.num_chunks if end is None else end)
+
+    def group_keys(self, group: str) -> torch.Tensor:
+        return self.keys(*self.group_rows(group))
+
+    def gather(self, rows: torch.Tensor | np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Content caches of arbitrary rows.
+
+        Returns ``cache`` [R, n_cache, d] (valid states right-aligned, zeros left) and
+        ``cache_len`` [R] int32.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
+            raise IndexError(f"rows out of range [0, {self.num_chunks})")
+        shard_of = np.searchsorted(self._starts, rows.numpy(), side="right") - 1
+        cache = torch.empty(rows.numel(), self.n_cache, self.hidden_size, dtype=self.cache_dtype)
+        cache_len = torch.empty(rows.numel(), dtype=torch.int32)
+        for i in np.unique(shard_of):
+            sel = torch.from_numpy(np.nonzero(shard_of == i)[0])
+            local = rows[sel] - self.shards[i].start
+            cache[sel] = self._shard_tensor(i, "cache")[local]
+            cache_len[sel] = self._shard_tensor(i, "cache_len")[local]
+        return cache, cache_len
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return getattr(torch, self.manifest["cache_dtype"])
+
+    # ------------------------------------------------------------------ text
+
+    def chunks(self) -> list[dict[str, Any]]:
+        """All chunk records ``{row, group, text, n_tokens, ...}`` (read on first use)."""
+        if self._chunks is None:
+            with open(self.root / CHUNKS, encoding="utf-8") as f:
+                self._chunks = [json.loads(line) for line in f]
+            if len(self._chunks) != self.num_chunks:
+                raise BankError(f"{self.root / CHUNKS} has {len(self._chunks)} lines, expected {self.num_chunks}")
+        return self._chunks
+
+    def chunk(self, row: int) -> dict[str, Any]:
+        return self.chunks()[row]
+
+    def iter_groups(self) -> Iterator[tuple[str, int, int]]:
+        for g, (a, b) in self.groups.items():
+            yield g, a, b
+
+    def nbytes_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())

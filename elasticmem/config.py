@@ -1,0 +1,158 @@
+"""Every setting of elasticmem, as dataclasses with one docstring per field.
+
+YAML files in ``configs/`` are presets over these defaults; any key can be
+overridden on the command line as ``section.key=value``. Run any entry point
+with ``--help`` to list all keys with their documentation, e.g.::
+
+    python build_bank.py --help
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from elasticmem.data.synthetic import SyntheticConfig
+from elasticmem.utils import configuration
+
+ConfigError = configuration.ConfigError
+
+
+@dataclass
+class TinyModelConfig:
+    """A random Qwen2 model small enough for tests (``model.name_or_path=tiny``)."""
+
+    hidden_size: int = 64
+    """Model width d."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 128
+    """MLP width."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the rotary embedding is set up for."""
+    seed: int = 0
+    """Seed of the random weights: the same seed gives the same model and fingerprint."""
+
+
+@dataclass
+class ModelConfig:
+    """The base causal LM (the frozen bank encoder and, with LoRA, the reasoner)."""
+
+    name_or_path: str = "tiny"
+    """'tiny' (random test model), 'smollm2' (offline SmolLM2-135M-Instruct, fetched once with
+    `python -m elasticmem.backbone fetch smollm2`), a local HF model directory, a hub id such
+    as Qwen/Qwen2.5-7B-Instruct (needs the model in the local HF cache when offline), or a
+    path to a .gguf file (converted once and cached as an HF directory)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype: auto = bfloat16 on CUDA, float32 on CPU (bf16 is ~6x slower on CPUs)."""
+    device: str = "auto"
+    """'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', ... Under accelerate
+    launch, 'auto' follows the process's device."""
+    attn_implementation: str | None = None
+    """Passed to from_pretrained (e.g. 'sdpa', 'eager', 'flash_attention_2'); null = HF default."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub. Off unless you ask for it: it runs code you have not read."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids."""
+    cache_dir: str | None = None
+    """Where converted models (GGUF, SmolLM2) are cached; null = $ELASTICMEM_HOME or
+    ~/.cache/elasticmem/models."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the tiny random model."""
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared examples live (DESIGN.md section 2 schema, one JSONL per split)."""
+
+    dir: str = "runs/data/synthetic"
+    """Folder holding train.jsonl, val.jsonl, test.jsonl (written by
+    `python -m elasticmem.data.prepare`)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Knobs of the synthetic memory task (used by `prepare synthetic`)."""
+
+
+@dataclass
+class ChunkingConfig:
+    """How histories become memory chunks and tokens."""
+
+    max_tokens: int = 256
+    """Token cap per chunk; longer chunks are truncated (see truncation_side)."""
+    truncation_side: Literal["left", "right"] = "right"
+    """'right' keeps the start of a long chunk, 'left' keeps its end."""
+    add_special_tokens: bool = True
+    """Let the tokenizer add its special tokens (e.g. BOS) to each chunk, as the reference code does."""
+
+
+@dataclass
+class IndexConfig:
+    """Top-k search over bank keys (cosine = inner product of L2-normalised vectors)."""
+
+    type: Literal["torch", "flat", "ivf", "hnsw"] = "torch"
+    """'torch' and 'flat' (FAISS IndexFlatIP) are exact; 'ivf' and 'hnsw' are approximate FAISS
+    indexes for large shared banks. Search restricted to a group is exact for exact types and
+    uses an ID-range filter for approximate ones."""
+    nlist: int = 0
+    """IVF cells; 0 = 4*sqrt(rows), at least 1."""
+    nprobe: int = 16
+    """IVF cells visited per query (recall/speed trade-off)."""
+    hnsw_m: int = 32
+    """HNSW graph degree."""
+    ef_construction: int = 80
+    """HNSW build-time beam width."""
+    ef_search: int = 128
+    """HNSW query-time beam width."""
+    train_size: int = 262144
+    """At most this many keys (sampled with the config seed) train the IVF quantizer."""
+    save: bool = True
+    """Write approximate indexes to index.faiss in the bank folder and reuse them."""
+
+
+@dataclass
+class BankConfig:
+    """The latent memory bank: keys + content caches (DESIGN.md sections 1.1 and 3.1)."""
+
+    dir: str = "runs/bank/synthetic"
+    """Output folder of build_bank.py and input folder of training/evaluation."""
+    n_cache: int = 20
+    """N_c: number of final hidden states kept per chunk (the content cache)."""
+    cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Storage dtype of the content cache: auto = float16 on CUDA, float32 on CPU. Keys are
+    always float32."""
+    batch_size: int = 16
+    """Chunks per forward pass (chunks are length-sorted inside a shard, so padding is small)."""
+    shard_rows: int = 2048
+    """Rows per shard file; the build resumes shard by shard after an interruption."""
+    splits: list[str] = field(default_factory=lambda: ["train", "val", "test"])
+    """Which splits' histories go into the bank."""
+    overwrite: bool = False
+    """Rebuild from scratch even if the folder holds a finished or different bank."""
+    verify: bool = False
+    """After building (or when the bank already exists), re-hash every shard against the manifest."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+    """Search settings."""
+
+
+@dataclass
+class Config:
+    """Top level: one file configures preparation, bank building, training and evaluation."""
+
+    seed: int = 0
+    """Global seed (data generation, index training, later training)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base language model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The prepared dataset."""
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    """History to chunks."""
+    bank: BankConfig = field(default_factory=BankConfig)
+    """The latent memory bank."""
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML preset <- ``key=value`` overrides; unknown keys raise ``ConfigError``."""
+    return configuration.load(Config, path, overrides)

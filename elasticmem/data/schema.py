@@ -1,0 +1,218 @@
+"""The shared example schema (DESIGN.md section 2) and its JSONL reader/writer.
+
+One example a line::
+
+    {"id": str, "source": str, "group": str, "question": str, "choices": [str, ...],
+     "answer_index": int, "question_type": str,
+     "history": [[{"role": str, "content": str, "date"?: str, "speaker"?: str}, ...], ...],
+     "answer_text"?: str}
+
+``history`` is a list of sessions, each a list of turns. Examples that share a
+history share a ``group`` (conversation or context id): the bank is built once
+per group. ``group`` defaults to ``id`` when absent.
+
+Every validation error names the file, the line and the field, so a user can
+find the bad record in a multi-GB file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+SPLITS = ("train", "val", "test")
+
+
+class SchemaError(ValueError):
+    """A record does not follow the example schema; the message names where and what."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str
+    """Who speaks: "user" or "assistant" (other roles are kept as lone turns)."""
+    content: str
+    """The turn's text."""
+    date: str | None = None
+    """The session or turn date, kept verbatim from the source."""
+    speaker: str | None = None
+    """The speaker's name where the source has one (LoCoMo); replaces the role label in chunks."""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.date is not None:
+            d["date"] = self.date
+        if self.speaker is not None:
+            d["speaker"] = self.speaker
+        return d
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    source: str
+    question: str
+    choices: list[str]
+    answer_index: int
+    question_type: str
+    history: list[list[Turn]]
+    group: str = ""
+    answer_text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Source-specific fields kept verbatim (not interpreted by the framework)."""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            object.__setattr__(self, "group", self.id)
+
+    @property
+    def answer_letter(self) -> str:
+        return chr(ord("a") + self.answer_index)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "id": self.id,
+            "source": self.source,
+            "group": self.group,
+            "question": self.question,
+            "choices": list(self.choices),
+            "answer_index": self.answer_index,
+            "question_type": self.question_type,
+            "history": [[t.to_json() for t in session] for session in self.history],
+        }
+        if self.answer_text is not None:
+            d["answer_text"] = self.answer_text
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "<record>") -> "Example":
+        """Validate one decoded JSON object; ``where`` (e.g. "file.jsonl:12") prefixes errors."""
+        if not isinstance(d, dict):
+            raise SchemaError(f"{where}: expected a JSON object, got {type(d).__name__}")
+
+        def need(key: str, typ: type | tuple[type, ...]) -> Any:
+            if key not in d:
+                raise SchemaError(f"{where}: missing field '{key}'")
+            v = d[key]
+            if not isinstance(v, typ) or isinstance(v, bool) and typ is int:
+                name = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+                raise SchemaError(f"{where}: field '{key}' must be {name}, got {type(v).__name__}")
+            return v
+
+        ex_id = need("id", (str, int))
+        ex_id = str(ex_id)
+        where = f"{where} (id {ex_id!r})"
+        question = need("question", str)
+        choices = need("choices", list)
+        if len(choices) < 2:
+            raise SchemaError(f"{where}: field 'choices' needs at least 2 options, got {len(choices)}")
+        for i, c in enumerate(choices):
+            if not isinstance(c, str):
+                raise SchemaError(f"{where}: field 'choices[{i}]' must be str, got {type(c).__name__}")
+        answer_index = need("answer_index", int)
+        if not 0 <= answer_index < len(choices):
+            raise SchemaError(
+                f"{where}: field 'answer_index' = {answer_index} is outside the {len(choices)} choices"
+            )
+        history_raw = need("history", list)
+        if not history_raw or all(isinstance(s, list) and not s for s in history_raw):
+            raise SchemaError(f"{where}: field 'history' is empty: an example needs a history to remember")
+        history: list[list[Turn]] = []
+        for si, session in enumerate(history_raw):
+            if not isinstance(session, list):
+                raise SchemaError(f"{where}: field 'history[{si}]' must be a list of turns")
+            turns = []
+            for ti, t in enumerate(session):
+                tw = f"history[{si}][{ti}]"
+                if not isinstance(t, dict):
+                    raise SchemaError(f"{where}: field '{tw}' must be an object")
+                for key in ("role", "content"):
+                    if not isinstance(t.get(key), str):
+                        raise SchemaError(f"{where}: field '{tw}.{key}' is missing or not a string")
+                for key in ("date", "speaker"):
+                    if t.get(key) is not None and not isinstance(t[key], str):
+                        raise SchemaError(f"{where}: field '{tw}.{key}' must be a string")
+                turns.append(Turn(t["role"], t["content"], t.get("date"), t.get("speaker")))
+            history.append(turns)
+        known = {"id", "source", "group", "question", "choices", "answer_index", "question_type",
+                 "history", "answer_text"}
+        answer_text = d.get("answer_text")
+        if answer_text is not None and not isinstance(answer_text, str):
+            raise SchemaError(f"{where}: field 'answer_text' must be a string")
+        group = d.get("group", "")
+        if not isinstance(group, (str, int)):
+            raise SchemaError(f"{where}: field 'group' must be a string")
+        return cls(
+            id=ex_id,
+            source=str(d.get("source", "")),
+            question=question,
+            choices=list(choices),
+            answer_index=answer_index,
+            question_type=str(d.get("question_type", "")),
+            history=history,
+            group=str(group),
+            answer_text=answer_text,
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+
+def iter_examples(path: str | os.PathLike) -> Iterator[Example]:
+    """Stream examples from a JSONL file, one validated ``Example`` per non-blank line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"example file not found: {path}")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SchemaError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            yield Example.from_json(obj, where)
+
+
+def read_examples(path: str | os.PathLike) -> list[Example]:
+    """Read and validate a whole JSONL file; duplicate ids are an error."""
+    out: list[Example] = []
+    seen: dict[str, int] = {}
+    for i, ex in enumerate(iter_examples(path)):
+        if ex.id in seen:
+            raise SchemaError(f"{path}: duplicate example id {ex.id!r}")
+        seen[ex.id] = i
+        out.append(ex)
+    return out
+
+
+def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
+    """Write examples as JSONL atomically (temp file + rename); returns the count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with tmp.open("w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps(ex.to_json(), ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
+def split_path(data_dir: str | os.PathLike, split: str) -> Path:
+    return Path(data_dir) / f"{split}.jsonl"
+
+
+def load_split(data_dir: str | os.PathLike, split: str) -> list[Example]:
+    """Read ``DATA_DIR/SPLIT.jsonl``; a missing file names the command that prepares it."""
+    p = split_path(data_dir, split)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"split '{split}' not found at {p}; prepare the data first "
+            f"(e.g. python -m elasticmem.data.prepare synthetic --config CONFIG)"
+        )
+    return read_examples(p)

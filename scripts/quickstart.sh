@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: install, fetch the offline SmolLM2 model,
+# prepare the synthetic memory task and build its latent memory bank.
+#   bash scripts/quickstart.sh [key=value ...]      # overrides go to every step
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh
+CONFIG=${CONFIG:-configs/quickstart.yaml}
+python -m elasticmem.backbone fetch smollm2
+python -m elasticmem.data.prepare synthetic --config "$CONFIG" "$@"
+python build_bank.py --config "$CONFIG" "$@"

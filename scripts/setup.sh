@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment (default .venv) and install elasticmem into it.
+#   bash scripts/setup.sh            # sourced by scripts/quickstart.sh and scripts/test.sh
+# Torch is installed first and pinned, so no multi-GB CUDA build is pulled on a CPU machine.
+# Env: ELASTICMEM_VENV (venv path), PYTHON (interpreter for the venv), TORCH_VERSION,
+#      ELASTICMEM_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu on CPU-only machines
+#      whose default index only has CUDA builds), EXTRAS (default "dev").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV=${ELASTICMEM_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+if ! python -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[setup] CUDA found: installing torch==$TORCH_VERSION" >&2
+    pip install -q "torch==$TORCH_VERSION"
+  else
+    echo "[setup] no CUDA: installing CPU torch==$TORCH_VERSION" >&2
+    pip install -q "torch==$TORCH_VERSION" ${ELASTICMEM_TORCH_INDEX:+--index-url "$ELASTICMEM_TORCH_INDEX"}
+  fi
+fi
+echo "[setup] installing elasticmem[${EXTRAS:-dev}]" >&2
+pip install -q -e ".[${EXTRAS:-dev}]"

@@ -1,0 +1,78 @@
+"""Shared fixtures: the tiny random backbone, hand-made examples, SmolLM2 when cached.
+
+    pytest tests/            # whole suite (offline, CPU)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone():
+    from elasticmem.backbone import load_backbone
+    from elasticmem.config import ModelConfig
+
+    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+
+
+def smollm2_dir() -> Path | None:
+    from elasticmem.backbone import ALIASES, models_home
+
+    p = models_home() / ALIASES["smollm2"]["dirname"]
+    return p if (p / "config.json").is_file() else None
+
+
+requires_smollm2 = pytest.mark.skipif(
+    smollm2_dir() is None,
+    reason="SmolLM2-135M-Instruct is not cached; run `python -m elasticmem.backbone fetch smollm2` (scripts/test.sh does)",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_backbone():
+    if smollm2_dir() is None:
+        pytest.skip("SmolLM2 not cached (python -m elasticmem.backbone fetch smollm2)")
+    from elasticmem.backbone import load_backbone
+    from elasticmem.config import ModelConfig
+
+    return load_backbone(ModelConfig(name_or_path="smollm2", device="cpu"))
+
+
+def make_examples(n_groups: int = 3, seed: int = 0, questions_per_group: int = 2):
+    """Hand-made examples whose chunks span 1 to ~60 words (shorter and longer than any N_c used)."""
+    import random
+
+    from elasticmem.data.schema import Example, Turn
+
+    rng = random.Random(seed)
+    words = "cat dog sun box cup hat key map pen bed car egg fox owl".split()  # single tokens in the tiny vocab
+    examples = []
+    for g in range(n_groups):
+        history = []
+        for s in range(rng.randint(1, 3)):
+            session = []
+            for t in range(rng.randint(1, 5)):
+                role = rng.choice(["user", "assistant", "user"])
+                n = rng.choice([1, 2, 3, 8, 20, 60])
+                date = "2024-05-01" if s == 1 else None  # dates only in some sessions: they add ~12 tokens
+                session.append(Turn(role, " ".join(rng.choice(words) for _ in range(n)), date=date))
+            history.append(session)
+        for q in range(questions_per_group):
+            examples.append(
+                Example(id=f"g{g}-q{q}", source="test", group=f"g{g}", question="what did the cat do?",
+                        choices=["sat", "ran", "slept", "ate"], answer_index=q % 4, question_type="t",
+                        history=history)
+            )
+    return examples

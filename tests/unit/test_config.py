@@ -1,0 +1,101 @@
+"""Config system: presets, dotted overrides, type checks, unknown keys, docs for every key.
+
+    pytest tests/unit/test_config.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from elasticmem.config import Config, load_config
+from elasticmem.utils.configuration import ConfigError, describe, field_docs, parse_cli, to_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _dataclasses(cls, seen=None):
+    seen = seen if seen is not None else []
+    seen.append(cls)
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp) and tp not in seen:
+            _dataclasses(tp, seen)
+    return seen
+
+
+def test_every_key_is_documented():
+    for cls in _dataclasses(Config):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_presets_load(preset):
+    cfg = load_config(ROOT / "configs" / preset)
+    assert isinstance(cfg, Config)
+
+
+def test_override_types_and_nesting():
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["bank.n_cache=12", "bank.index.type=hnsw",
+                                                  "bank.splits=[train]", "model.tiny.seed=3", "seed=7"])
+    assert cfg.bank.n_cache == 12 and cfg.bank.index.type == "hnsw"
+    assert cfg.bank.splits == ["train"] and cfg.model.tiny.seed == 3 and cfg.seed == 7
+    # The preset's values survive where not overridden.
+    assert cfg.model.name_or_path == "tiny" and cfg.chunking.max_tokens == 64
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'bank\.n_cahce'.*did you mean 'bank\.n_cache'"):
+        load_config(None, ["bank.n_cahce=3"])
+    with pytest.raises(ConfigError, match=r"'bank\.index\.nprob'.*'bank\.index\.nprobe'"):
+        load_config(None, ["bank.index.nprob=3"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("bank:\n  batchsize: 3\n")
+    with pytest.raises(ConfigError, match=r"'bank\.batchsize'.*'bank\.batch_size'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("bank.n_cache=abc", "must be an integer"),
+        ("bank.index.type=annoy", "must be one of"),
+        ("bank.overwrite=3", "true or false"),
+        ("bank.splits=train", "must be a list"),
+        ("bank", "key=value"),
+        ("bank.n_cache.x=1", "not a section"),
+    ],
+)
+def test_bad_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_roundtrip_yaml(tmp_path):
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["bank.batch_size=3"])
+    p = tmp_path / "saved.yaml"
+    p.write_text(to_yaml(cfg))
+    assert load_config(p) == cfg
+
+
+def test_cli_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(Config, ["--help"], prog="x")
+    out = capsys.readouterr().out
+    for key, *_ in describe(Config):
+        assert key in out
+
+
+def test_cli_bad_key_exits_with_message(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_cli(Config, ["bank.dirr=/tmp/x"], prog="x")
+    assert e.value.code == 2
+    assert "did you mean 'bank.dir'" in capsys.readouterr().err

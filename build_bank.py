@@ -21,13 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_cli(Config, argv, prog="build_bank.py", description=__doc__)
 
     import torch
-    from accelerate import PartialState
 
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, BankError, build_bank, build_index, resolve_cache_dtype
     from elasticmem.data.schema import SchemaError, load_split
+    from elasticmem.utils.distributed import process_state
 
-    state = PartialState()
+    state = process_state()
     if state.is_main_process:
         print_config(cfg, file=sys.stderr)
     try:

@@ -291,6 +291,23 @@ def resolve_model_path(cfg: ModelConfig) -> str:
     return name
 
 
+def _tokenizer_class(path: str):
+    """AutoTokenizer, except for folders saved with the generic tokenizers backend.
+
+    transformers 5 maps such a folder to the model type's tokenizer class (Qwen2Tokenizer for
+    the tiny model), which rebuilds a BPE from the vocab and ignores tokenizer.json; loading
+    through the generic backend keeps the saved tokenizer exactly.
+    """
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    cfg = Path(path) / "tokenizer_config.json"
+    if cfg.is_file():
+        cls = json.loads(cfg.read_text()).get("tokenizer_class")
+        if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return TokenizersBackend
+    return AutoTokenizer
+
+
 def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) -> Backbone:
     """Load (or build) the model in eval mode on ``device`` with the configured dtype."""
     dev = torch.device(device) if device is not None else resolve_device(cfg.device)
@@ -299,12 +316,12 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg.tiny, tokenizer)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(cfg)
         kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            tokenizer = _tokenizer_class(path).from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
             )

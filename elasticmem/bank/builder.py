@@ -205,11 +205,14 @@ def encode_shard(
     return {"keys": keys, "cache": cache, "cache_len": cache_len}
 
 
-def _write_shard(out: Path, i: int, tensors: dict[str, torch.Tensor], plan_id: str) -> dict[str, Any]:
+def _write_shard(
+    out: Path, i: int, tensors: dict[str, torch.Tensor], plan_id: str, process: int = 0
+) -> dict[str, Any]:
     data = st_save(tensors, metadata={"plan_id": plan_id})
     digest = hashlib.sha256(data).hexdigest()
     _atomic_write_bytes(out / shard_name(i), data)
-    rec = {"file": shard_name(i), "rows": int(tensors["keys"].shape[0]), "sha256": digest, "bytes": len(data)}
+    rec = {"file": shard_name(i), "rows": int(tensors["keys"].shape[0]), "sha256": digest, "bytes": len(data),
+           "process": process}
     _atomic_write_text(out / BUILD_DIR / f"{shard_name(i)}.json", json.dumps(rec))
     return rec
 
@@ -331,7 +334,7 @@ def build_bank(
             decoder, plan.token_ids[a:b], bank_cfg.n_cache, bank_cfg.batch_size,
             backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update,
         )
-        _write_shard(out, i, tensors, plan.plan_id)
+        _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()
     barrier()
 
@@ -343,9 +346,14 @@ def build_bank(
                 raise BankError(f"shard {i} of {out} was not written by its process")
             shards.append(rec)
         manifest = dict(plan.header)
-        manifest["shards"] = shards
+        manifest["shards"] = [{k: r[k] for k in ("file", "rows", "sha256", "bytes")} for r in shards]
         manifest["groups"] = {g: list(r) for g, r in plan.groups.items()}
-        manifest["build"] = {"plan_id": plan.plan_id, "num_processes": world, "num_tokens": num_tokens}
+        manifest["build"] = {
+            "plan_id": plan.plan_id,
+            "num_processes": world,
+            "shard_writers": [r["process"] for r in shards],  # which process encoded each shard
+            "num_tokens": num_tokens,
+        }
         _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         shutil.rmtree(out / BUILD_DIR, ignore_errors=True)
         for p in out.glob("*.tmp*"):  # debris of a crash mid-write

@@ -152,11 +152,11 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_backbone,
     real_write = builder_mod._write_shard
     calls = []
 
-    def crash_after_two(out, i, tensors, plan_id):
+    def crash_after_two(out, i, tensors, plan_id, process=0):
         if len(calls) == 2:
             raise KeyboardInterrupt("simulated crash")
         calls.append(i)
-        return real_write(out, i, tensors, plan_id)
+        return real_write(out, i, tensors, plan_id, process)
 
     monkeypatch.setattr(builder_mod, "_write_shard", crash_after_two)
     with pytest.raises(KeyboardInterrupt):

@@ -1,0 +1,695 @@
+"""Bank benchmark: builder throughput vs a bare-forward ceiling, bytes on disk, key search.
+
+    python benchmarks/bank_build.py                                   # full: tiny + smollm2, 100k and 1M keys
+    python benchmarks/bank_build.py --max-chunks 200 --sizes 10000    # quick check (a minute or two)
+    python benchmarks/bank_build.py --skip-search --models smollm2    # builder only
+    python benchmarks/bank_build.py --skip-build --sizes 100000 --out /tmp/bank_bench.json
+
+Everything is measured in this process and reported as ratios against a
+baseline measured in the same process (machines are noisy), next to the
+absolute numbers. Nothing is hard-coded.
+
+1. Builder vs ceiling (DESIGN.md 1.1, 3.1). Corpus: the synthetic persona
+   task generated in-process with the settings of configs/quickstart.yaml
+   (``data.synthetic``, ``chunking``, ``bank``; all splits), optionally capped
+   with ``--max-chunks`` (whole histories are kept, so the count can overshoot
+   a little). *Builder*: ``build_bank`` end to end into a fresh temp folder
+   (tokenisation, planning, length-sorting, encoding, writing and hashing
+   shards, chunks.jsonl, manifest). *Ceiling*: the same batches (token ids from
+   ``make_plan``, length-sorted per shard exactly as ``encode_shard`` does,
+   right-padded, tensors built before the clock starts) through
+   ``model.get_decoder()(input_ids, attention_mask, use_cache=False)`` under
+   ``torch.inference_mode()`` and nothing else. One untimed warm-up of each,
+   then ``--repeats`` interleaved builder/ceiling runs; medians and the ratio
+   builder/ceiling (goal >= 0.9) are reported. Forward hooks on the decoder and
+   perf_counter wrappers around the builder's phase functions (make_plan,
+   encode_shard, _write_shard, _write_chunks, _prepare_dir) time the phases of
+   every builder run (cost: two perf_counter calls per call, microseconds).
+   Bytes: every file in the bank folder / (num_chunks * n_cache * d * bytes per
+   cache value) (goal <= 1.02), with the payload broken down, for float32
+   (the CPU default, from the timed runs) and float16 (the GPU default, one
+   extra build, its time reported as a single run).
+
+2. Search latency and recall@k at each ``--sizes`` of random keys of width
+   ``--dim`` (L2-normalised Gaussian, fixed seed) written as a real bank folder
+   (shards via ``builder._write_shard``, ``--shard-rows`` rows each like the
+   builder default, a manifest; the content cache is a dummy n_cache=1 float16
+   zero slot to save disk: search reads only keys). Indexes from
+   ``build_index(bank, IndexConfig(type=..., save=False))``: ``torch`` (exact,
+   the baseline), ``flat`` (FAISS exact), ``ivf`` (nprobe values) and ``hnsw``
+   (ef_search values), plus a reference row ``torch-ram`` (the same matmul+topk
+   on keys already concatenated in RAM; not project code) that shows what
+   ``TorchIndex`` spends gathering keys from the shards at every call. Two query
+   sets of ``--num-queries``: ``gauss`` (independent normalised Gaussians; the
+   hardest case for approximate indexes, there is no structure) and ``noisy``
+   (a stored key plus Gaussian noise of norm ~``--noise`` (0.5 gives cosine
+   ~0.89 to its source key), like a query state close to one memory). Recall@k
+   is |approx top-k ∩ exact top-k| / k against the torch result; for ``noisy``
+   also ``self@k``: how often the source key is in the top-k. Latency is ms per
+   batch of all queries (one ``search`` call), median of ``--search-repeats``
+   after one warm-up call. Index build time is one measurement.
+
+A summary table is printed at the end; ``--out PATH`` also writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from elasticmem.bank import builder as B  # noqa: E402
+from elasticmem.bank.index import build_index  # noqa: E402
+from elasticmem.bank.store import CHUNKS, MANIFEST, Bank, shard_name  # noqa: E402
+from elasticmem.config import IndexConfig, ModelConfig, load_config  # noqa: E402
+from elasticmem.data.chunking import chunk_history  # noqa: E402
+from elasticmem.data.synthetic import generate  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# =========================================================================== corpus
+
+
+def load_corpus(config_path: str, max_chunks: int):
+    cfg = load_config(config_path)
+    examples = generate(cfg.data.synthetic, cfg.seed)
+    examples = {s: examples[s] for s in cfg.bank.splits if s in examples}
+    groups = B.collect_groups(examples)
+    counts = {g: len(chunk_history(ex.history, g)) for g, ex in groups.items()}
+    if max_chunks and max_chunks > 0:
+        keep, total = set(), 0
+        for g, n in counts.items():
+            if total >= max_chunks:
+                break
+            keep.add(g)
+            total += n
+        examples = {s: [ex for ex in exs if ex.group in keep] for s, exs in examples.items()}
+        examples = {s: exs for s, exs in examples.items() if exs}
+        counts = {g: n for g, n in counts.items() if g in keep}
+    return cfg, examples, sum(counts.values()), len(counts)
+
+
+# =========================================================================== phase timers
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase: builder functions (monkeypatched in the module namespace
+    for the duration of a run; the files are untouched) and decoder forwards (hooks)."""
+
+    FUNCS = ("make_plan", "_prepare_dir", "_write_chunks", "encode_shard", "_write_shard")
+
+    def __init__(self, decoder: torch.nn.Module, device: torch.device):
+        self.decoder, self.device = decoder, device
+        self.t: dict[str, float] = {}
+        self._t0 = 0.0
+        self._hooks: list[Any] = []
+        self._saved: dict[str, Any] = {}
+
+    def _wrap(self, name, fn):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+        return wrapped
+
+    def _pre(self, *_):
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def _post(self, *_):
+        sync(self.device)
+        self.t["forward"] = self.t.get("forward", 0.0) + time.perf_counter() - self._t0
+
+    @contextmanager
+    def active(self, patch_builder: bool):
+        self.t = {}
+        self._hooks = [self.decoder.register_forward_pre_hook(self._pre),
+                       self.decoder.register_forward_hook(self._post)]
+        if patch_builder:
+            for name in self.FUNCS:
+                fn = getattr(B, name, None)
+                if fn is not None:
+                    self._saved[name] = fn
+                    setattr(B, name, self._wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for h in self._hooks:
+                h.remove()
+            for name, fn in self._saved.items():
+                setattr(B, name, fn)
+            self._saved = {}
+
+
+# =========================================================================== builder
+
+
+def dir_bytes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def bytes_breakdown(root: Path, n: int, n_cache: int, d: int, dtype: torch.dtype) -> dict[str, Any]:
+    files = dir_bytes(root)
+    total = sum(files.values())
+    bpv = torch.empty((), dtype=dtype).element_size()
+    cache = n * n_cache * d * bpv
+    keys = n * d * 4
+    cache_len = n * 4
+    shards = sum(v for k, v in files.items() if k.startswith("shard-"))
+    chunks = files.get(CHUNKS, 0)
+    manifest = files.get(MANIFEST, 0)
+    return {
+        "cache_dtype": str(dtype).removeprefix("torch."),
+        "total_bytes": total,
+        "ideal_cache_bytes": cache,
+        "ratio": total / cache,
+        "cache_bytes": cache,
+        "keys_bytes": keys,
+        "cache_len_bytes": cache_len,
+        "chunks_jsonl_bytes": chunks,
+        "manifest_bytes": manifest,
+        "safetensors_header_bytes": shards - cache - keys - cache_len,
+        "other_files_bytes": total - shards - chunks - manifest,
+        "num_shards": sum(1 for k in files if k.startswith("shard-")),
+        "files": sorted(files),
+    }
+
+
+def ceiling_batches(plan, pad_id: int, batch_size: int, device: torch.device):
+    """The builder's batches (per-shard length sort, right padding) as ready tensors."""
+    out = []
+    for a, b in plan.shard_bounds:
+        ids_list = plan.token_ids[a:b]
+        order = sorted(range(len(ids_list)), key=lambda i: -len(ids_list[i]))  # as encode_shard
+        for s in range(0, len(order), batch_size):
+            batch = [ids_list[i] for i in order[s : s + batch_size]]
+            lengths = torch.tensor([len(t) for t in batch])
+            L = int(lengths.max())
+            ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+            for i, t in enumerate(batch):
+                ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            mask = (torch.arange(L)[None, :] < lengths[:, None]).long()
+            out.append((ids.to(device), mask.to(device)))
+    return out
+
+
+def run_ceiling(decoder, batches, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask in batches:
+            decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool = False):
+    tmp = Path(tempfile.mkdtemp(prefix="bankbench-", dir=workdir))
+    bank_cfg = dataclasses.replace(cfg.bank, dir=str(tmp / "bank"), overwrite=False)
+    device = backbone.device
+    sync(device)
+    t0 = time.perf_counter()
+    res = B.build_bank(examples, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)
+    sync(device)
+    wall = time.perf_counter() - t0
+    if res.status != "built":
+        raise RuntimeError(f"expected a fresh build, got {res.status!r}")
+    if not keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return wall, res, None
+    return wall, res, tmp
+
+
+def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: Path) -> dict[str, Any] | None:
+    from elasticmem.backbone import load_backbone, resolve_model_path
+
+    mcfg = ModelConfig(name_or_path=model_name)
+    if model_name != "tiny":
+        try:
+            resolve_model_path(mcfg)
+        except FileNotFoundError as e:
+            log(f"[build] skipping {model_name}: {e}")
+            return {"model": model_name, "skipped": str(e)}
+    t0 = time.perf_counter()
+    backbone = load_backbone(mcfg)
+    load_s = time.perf_counter() - t0
+    device = backbone.device
+    decoder = backbone.model.get_decoder()
+    timed_dtype = B.resolve_cache_dtype("auto", device)
+    bs = args.batch_size or cfg.bank.batch_size
+    cfg = dataclasses.replace(cfg, bank=dataclasses.replace(cfg.bank, batch_size=bs))
+    log(f"[build] {model_name}: loaded in {load_s:.1f} s on {device}, d={backbone.hidden_size}, "
+        f"{n_chunks} chunks, batch {bs}, timed cache dtype {timed_dtype}")
+
+    plan = B.make_plan(examples, backbone.tokenizer, cfg.chunking, cfg.bank,
+                       {"name_or_path": model_name, "fingerprint": "-"}, backbone.hidden_size, "float32")
+    n_tokens = sum(len(t) for t in plan.token_ids)
+    batches = ceiling_batches(plan, backbone.tokenizer.pad_token_id, bs, device)
+    padded_tokens = sum(int(ids.numel()) for ids, _ in batches)
+    timer = PhaseTimer(decoder, device)
+
+    # warm-up (untimed for the medians; the first build also hashes the weights for the fingerprint)
+    with timer.active(patch_builder=True):
+        warm_build, _, _ = run_builder(examples, backbone, cfg, timed_dtype, workdir)
+    warm_ceiling = run_ceiling(decoder, batches, device)
+    log(f"[build] {model_name}: warm-up builder {warm_build:.2f} s (incl. fingerprint), ceiling {warm_ceiling:.2f} s")
+
+    builder_s, ceiling_s, phases, internal_s = [], [], [], []
+    kept_bank: Path | None = None
+    for r in range(args.repeats):
+        keep = r == args.repeats - 1
+        with timer.active(patch_builder=True):
+            wall, res, kept = run_builder(examples, backbone, cfg, timed_dtype, workdir, keep=keep)
+        phases.append(dict(timer.t))
+        builder_s.append(wall)
+        internal_s.append(res.seconds)
+        if kept is not None:
+            kept_bank = kept
+        c = run_ceiling(decoder, batches, device)  # no hooks, no wrappers
+        ceiling_s.append(c)
+        log(f"[build] {model_name}: repeat {r + 1}/{args.repeats}: builder {wall:.2f} s "
+            f"({n_chunks / wall:.1f} chunks/s), ceiling {c:.2f} s ({n_chunks / c:.1f} chunks/s)")
+
+    d, n_cache = backbone.hidden_size, cfg.bank.n_cache
+    bytes_timed = bytes_breakdown(kept_bank / "bank", n_chunks, n_cache, d, timed_dtype)
+    # sanity: the bank opens and has the expected shape
+    bank = Bank.open(kept_bank / "bank", verify=True)
+    assert bank.num_chunks == n_chunks and bank.hidden_size == d
+    del bank
+    shutil.rmtree(kept_bank, ignore_errors=True)
+
+    other = {torch.float32: torch.float16, torch.float16: torch.float32}.get(timed_dtype, torch.float16)
+    wall_other, _, kept = run_builder(examples, backbone, cfg, other, workdir, keep=True)
+    bytes_other = bytes_breakdown(kept / "bank", n_chunks, n_cache, d, other)
+    shutil.rmtree(kept, ignore_errors=True)
+    log(f"[build] {model_name}: {str(other).removeprefix('torch.')} build (1 run) {wall_other:.2f} s")
+
+    bm, cm = med(builder_s), med(ceiling_s)
+    phase_med = {k: med([p.get(k, 0.0) for p in phases]) for k in ["forward", *PhaseTimer.FUNCS]}
+    # time inside encode_shard that is not the decoder forward (batch assembly, gather, cast, copies)
+    phase_med["encode_shard_minus_forward"] = med(
+        [p.get("encode_shard", 0.0) - p.get("forward", 0.0) for p in phases])
+    phase_med["unaccounted"] = med(
+        [w - sum(p.get(k, 0.0) for k in PhaseTimer.FUNCS) for w, p in zip(builder_s, phases)])
+    by_dtype = {bytes_timed["cache_dtype"]: bytes_timed, bytes_other["cache_dtype"]: bytes_other}
+    result = {
+        "model": model_name,
+        "device": str(device),
+        "model_dtype": str(next(backbone.model.parameters()).dtype).removeprefix("torch."),
+        "hidden_size": d,
+        "n_cache": n_cache,
+        "batch_size": bs,
+        "num_chunks": n_chunks,
+        "num_tokens": n_tokens,
+        "padded_tokens": padded_tokens,
+        "num_batches": len(batches),
+        "load_s": load_s,
+        "warmup_builder_s": warm_build,
+        "warmup_ceiling_s": warm_ceiling,
+        "timed_cache_dtype": str(timed_dtype).removeprefix("torch."),
+        "builder_s": builder_s,
+        "builder_internal_s": internal_s,
+        "ceiling_s": ceiling_s,
+        "builder_median_s": bm,
+        "ceiling_median_s": cm,
+        "builder_chunks_per_s": n_chunks / bm,
+        "ceiling_chunks_per_s": n_chunks / cm,
+        "ratio_builder_over_ceiling": cm / bm,
+        "phases_median_s": phase_med,
+        "other_dtype_build_s": wall_other,
+        "other_dtype": str(other).removeprefix("torch."),
+        "bytes": by_dtype,
+    }
+    del backbone, decoder, batches
+    gc.collect()
+    return result
+
+
+# =========================================================================== search
+
+
+def write_key_bank(root: Path, n: int, d: int, shard_rows: int, seed: int) -> float:
+    """A real bank folder of n random normalised keys (dummy 1-slot float16 cache)."""
+    t0 = time.perf_counter()
+    (root / B.BUILD_DIR).mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    plan_id = f"bench-random-keys-{n}-{d}-{seed}"
+    shards = []
+    for i, a in enumerate(range(0, n, shard_rows)):
+        rows = min(shard_rows, n - a)
+        keys = torch.nn.functional.normalize(torch.randn(rows, d, generator=gen), dim=-1)
+        tensors = {"keys": keys, "cache": torch.zeros(rows, 1, d, dtype=torch.float16),
+                   "cache_len": torch.ones(rows, dtype=torch.int32)}
+        shards.append(B._write_shard(root, i, tensors, plan_id))
+    manifest = {"format_version": 1, "encoder": {"name_or_path": "random", "fingerprint": "none"},
+                "hidden_size": d, "n_cache": 1, "cache_dtype": "float16", "num_chunks": n,
+                "tokenization": {}, "shards": shards, "groups": {"all": [0, n]},
+                "build": {"plan_id": plan_id}}
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    shutil.rmtree(root / B.BUILD_DIR)
+    return time.perf_counter() - t0
+
+
+def make_queries(bank: Bank, nq: int, d: int, noise: float, seed: int):
+    gen = torch.Generator().manual_seed(seed + 1)
+    gauss = torch.nn.functional.normalize(torch.randn(nq, d, generator=gen), dim=-1)
+    src = torch.randint(0, bank.num_chunks, (nq,), generator=gen)
+    base = torch.stack([bank.keys(int(r), int(r) + 1)[0] for r in src])
+    noisy = torch.nn.functional.normalize(base + noise * torch.randn(nq, d, generator=gen) / d ** 0.5, dim=-1)
+    return {"gauss": gauss, "noisy": noisy}, src
+
+
+def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    k = exact.shape[1]
+    hits = 0
+    for a, e in zip(approx.tolist(), exact.tolist()):
+        hits += len(set(a) & set(e))
+    return hits / (k * exact.shape[0])
+
+
+def self_hit(rows: torch.Tensor, src: torch.Tensor) -> float:
+    return float((rows == src[:, None]).any(dim=1).float().mean())
+
+
+class RamTorch:
+    """Reference only (not project code): TorchIndex's matmul+topk on keys concatenated once."""
+
+    def __init__(self, bank: Bank):
+        keys = bank.keys()  # one shard: a memory-mapped view (copied here); several: already a fresh copy
+        self.keys = keys.clone() if len(bank.shards) == 1 else keys.contiguous()
+
+    def search(self, q, k):
+        q = torch.nn.functional.normalize(q.float(), dim=-1)
+        s, r = torch.topk(q @ self.keys.T, k, dim=-1)
+        return s, r
+
+
+def time_search(index, queries: torch.Tensor, k: int, repeats: int):
+    t0 = time.perf_counter()
+    out = index.search(queries, k)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = index.search(queries, k)
+        times.append(time.perf_counter() - t0)
+    rows = out.rows if hasattr(out, "rows") else out[1]
+    return rows, first, times
+
+
+def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
+    d, k, nq = args.dim, args.k, args.num_queries
+    tmp = Path(tempfile.mkdtemp(prefix=f"bankbench-keys{n}-", dir=workdir))
+    root = tmp / "bank"
+    rows_out: list[dict[str, Any]] = []
+    try:
+        write_s = write_key_bank(root, n, d, args.shard_rows, args.seed)
+        disk = sum(dir_bytes(root).values())
+        log(f"[search] n={n}: wrote bank ({disk / 1e9:.2f} GB on disk, {-(-n // args.shard_rows)} shards "
+            f"of {args.shard_rows} rows, keys {n * d * 4 / 1e9:.2f} GB) in {write_s:.1f} s")
+        t0 = time.perf_counter()
+        bank = Bank.open(root)
+        open_s = time.perf_counter() - t0
+        queries, src = make_queries(bank, nq, d, args.noise, args.seed)
+        exact: dict[str, torch.Tensor] = {}
+        base_ms: dict[str, float] = {}
+
+        def record(name, params, build_s, index, note=""):
+            row = {"size": n, "index": name, "params": params, "build_s": build_s, "note": note}
+            for qs, q in queries.items():
+                rows, first, times = time_search(index, q, k, args.search_repeats)
+                ms = med(times) * 1000 * 1000 / nq  # ms per 1000 queries
+                if name == "torch":
+                    exact[qs], base_ms[qs] = rows.clone(), ms
+                row[f"{qs}_ms_per_1000q"] = ms
+                row[f"{qs}_first_call_ms"] = first * 1000
+                row[f"{qs}_runs_ms"] = [t * 1000 for t in times]
+                row[f"{qs}_ratio_to_torch"] = ms / base_ms[qs]
+                row[f"{qs}_recall@{k}"] = recall(rows, exact[qs])
+                if qs == "noisy":
+                    row[f"noisy_self@{k}"] = self_hit(rows, src)
+            rows_out.append(row)
+            log(f"[search] n={n} {name:9s} {json.dumps(params):24s} build {build_s:7.2f} s | "
+                + " | ".join(f"{qs} {row[f'{qs}_ms_per_1000q']:9.1f} ms/1000q x{row[f'{qs}_ratio_to_torch']:.3f} "
+                             f"R@{k} {row[f'{qs}_recall@{k}']:.3f}" for qs in queries)
+                + f" | self@{k} {row[f'noisy_self@{k}']:.3f}")
+
+        # torch exact: the baseline (keys memory-mapped; gathered from the shards at every call)
+        t0 = time.perf_counter()
+        idx = build_index(bank, IndexConfig(type="torch", save=False), args.seed)
+        record("torch", {}, time.perf_counter() - t0, idx, note=f"bank open {open_s * 1000:.0f} ms")
+        del idx
+        gc.collect()
+
+        if not args.skip_ram_reference:
+            t0 = time.perf_counter()
+            idx = RamTorch(bank)
+            record("torch-ram", {}, time.perf_counter() - t0, idx, note="reference, not project code")
+            del idx
+            gc.collect()
+
+        for typ, pname, values, cap in (("flat", None, [None], 0),
+                                        ("ivf", "nprobe", args.nprobe, args.ivf_max_size),
+                                        ("hnsw", "ef_search", args.ef_search, args.hnsw_max_size)):
+            if typ in args.skip_index:
+                continue
+            if cap and n > cap:
+                log(f"[search] n={n}: skipping {typ} (n > --{typ}-max-size {cap})")
+                rows_out.append({"size": n, "index": typ, "skipped": f"n > --{typ}-max-size {cap}"})
+                continue
+            cfg = IndexConfig(type=typ, save=False)
+            t0 = time.perf_counter()
+            idx = build_index(bank, cfg, args.seed)
+            build_s = time.perf_counter() - t0
+            build_params = {}
+            if typ == "ivf":
+                build_params = {"nlist": idx.index.nlist, "train_size": min(n, cfg.train_size)}
+            elif typ == "hnsw":
+                build_params = {"m": cfg.hnsw_m, "ef_construction": cfg.ef_construction}
+            for v in values:
+                if pname is not None:
+                    idx.cfg = dataclasses.replace(cfg, **{pname: v})  # query-time knob, same built index
+                record(typ, {**build_params, **({pname: v} if pname else {})}, build_s, idx,
+                       note="build time is one build shared by the rows of this index")
+            del idx
+            gc.collect()
+        del bank
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows_out
+
+
+# =========================================================================== report
+
+
+def fmt_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(b) < 1000 or unit == "GB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
+        b /= 1000
+    return str(b)
+
+
+def summary_text(report: dict[str, Any], k: int) -> str:
+    lines = []
+    env = report["env"]
+    lines.append("=" * 100)
+    lines.append(f"bank benchmark  torch {env['torch']}  threads {env['torch_threads']}  faiss {env.get('faiss')}  "
+                 f"{env['cpu']}  ({env['time']})")
+    builds = [b for b in report.get("builder", []) if not b.get("skipped")]
+    for b in report.get("builder", []):
+        if b.get("skipped"):
+            lines.append(f"builder: {b['model']} skipped: {b['skipped']}")
+    if builds:
+        lines.append("")
+        lines.append("BUILDER vs CEILING (median of interleaved repeats; goal ratio >= 0.9)")
+        hdr = (f"{'model':8s} {'device':6s} {'chunks':>6s} {'tokens':>7s} {'batch':>5s} {'builder s':>9s} "
+               f"{'chunks/s':>9s} {'ceiling s':>9s} {'chunks/s':>9s} {'ratio':>6s}  runs builder / ceiling (s)")
+        lines.append(hdr)
+        for b in builds:
+            lines.append(
+                f"{b['model']:8s} {b['device']:6s} {b['num_chunks']:6d} {b['num_tokens']:7d} {b['batch_size']:5d} "
+                f"{b['builder_median_s']:9.3f} {b['builder_chunks_per_s']:9.1f} {b['ceiling_median_s']:9.3f} "
+                f"{b['ceiling_chunks_per_s']:9.1f} {b['ratio_builder_over_ceiling']:6.3f}  "
+                f"{' '.join(f'{x:.2f}' for x in b['builder_s'])} / {' '.join(f'{x:.2f}' for x in b['ceiling_s'])}")
+        lines.append("")
+        lines.append("builder phases (median s per build; forward = decoder forwards inside the builder)")
+        keys = ["make_plan", "_prepare_dir", "_write_chunks", "forward", "encode_shard_minus_forward",
+                "_write_shard", "unaccounted"]
+        lines.append(f"{'model':8s} " + " ".join(f"{k:>14s}" for k in
+                     ["plan+tokenize", "prepare_dir", "chunks.jsonl", "forward", "encode-other", "write_shard",
+                      "rest"]))
+        for b in builds:
+            p = b["phases_median_s"]
+            lines.append(f"{b['model']:8s} " + " ".join(f"{p.get(k, 0.0):14.3f}" for k in keys))
+        lines.append(f"{'':8s} (warm-up builder incl. fingerprint: "
+                     + ", ".join(f"{b['model']} {b['warmup_builder_s']:.2f} s" for b in builds)
+                     + "; other-dtype single build: "
+                     + ", ".join(f"{b['model']} {b['other_dtype']} {b['other_dtype_build_s']:.2f} s" for b in builds)
+                     + ")")
+        lines.append("")
+        lines.append("BANK BYTES: total on disk / (num_chunks * n_cache * d * bytes per cache value); goal <= 1.02")
+        lines.append(f"{'model':8s} {'dtype':8s} {'total':>10s} {'ideal cache':>11s} {'ratio':>6s} | "
+                     f"{'cache':>10s} {'keys':>10s} {'cache_len':>9s} {'chunks.jsonl':>12s} {'manifest':>9s} "
+                     f"{'st headers':>10s} {'other':>6s} {'shards':>6s}")
+        for b in builds:
+            for dt in ("float32", "float16"):
+                x = b["bytes"].get(dt)
+                if not x:
+                    continue
+                lines.append(
+                    f"{b['model']:8s} {dt:8s} {fmt_bytes(x['total_bytes']):>10s} {fmt_bytes(x['ideal_cache_bytes']):>11s} "
+                    f"{x['ratio']:6.3f} | {fmt_bytes(x['cache_bytes']):>10s} {fmt_bytes(x['keys_bytes']):>10s} "
+                    f"{fmt_bytes(x['cache_len_bytes']):>9s} {fmt_bytes(x['chunks_jsonl_bytes']):>12s} "
+                    f"{fmt_bytes(x['manifest_bytes']):>9s} {fmt_bytes(x['safetensors_header_bytes']):>10s} "
+                    f"{fmt_bytes(x['other_files_bytes']):>6s} {x['num_shards']:6d}")
+        lines.append(f"{'':8s} (keys alone are 1/n_cache of the float32 cache and 2/n_cache of a float16 one)")
+    search = report.get("search", [])
+    if search:
+        s0 = report["search_settings"]
+        lines.append("")
+        lines.append(f"SEARCH: {s0['num_queries']} queries per call, top-{k}, d={s0['dim']}, keys L2-normalised Gaussian "
+                     f"(seed {s0['seed']}), bank shards of {s0['shard_rows']} rows, dummy 1-slot fp16 cache; "
+                     f"ms per 1000 queries = median of {s0['search_repeats']} calls after 1 warm-up; "
+                     f"ratio = ms / torch ms; R@{k} vs torch exact; gauss = random queries, "
+                     f"noisy = stored key + noise of norm {s0['noise']}; self@{k} = source key found")
+        lines.append(f"{'size':>8s} {'index':9s} {'params':30s} {'build s':>8s} | {'gauss ms':>9s} {'ratio':>6s} "
+                     f"{'R@k':>6s} | {'noisy ms':>9s} {'ratio':>6s} {'R@k':>6s} {'self@k':>6s}")
+        for r in search:
+            if r.get("skipped"):
+                lines.append(f"{r['size']:8d} {r['index']:9s} skipped: {r['skipped']}")
+                continue
+            params = ",".join(f"{a}={v}" for a, v in r["params"].items()) or "-"
+            lines.append(
+                f"{r['size']:8d} {r['index']:9s} {params:30s} {r['build_s']:8.2f} | "
+                f"{r['gauss_ms_per_1000q']:9.1f} {r['gauss_ratio_to_torch']:6.3f} {r[f'gauss_recall@{k}']:6.3f} | "
+                f"{r['noisy_ms_per_1000q']:9.1f} {r['noisy_ratio_to_torch']:6.3f} {r[f'noisy_recall@{k}']:6.3f} "
+                f"{r[f'noisy_self@{k}']:6.3f}")
+        lines.append(f"{'':8s} (torch-ram: reference only, TorchIndex's matmul+topk on keys held contiguous in RAM; "
+                     f"build s = the one-time concatenation)")
+    lines.append("=" * 100)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], help="backbones to build with")
+    p.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"),
+                   help="preset giving data.synthetic, chunking and bank settings")
+    p.add_argument("--max-chunks", type=int, default=0, help="cap the corpus (whole histories; 0 = all)")
+    p.add_argument("--batch-size", type=int, default=0, help="override bank.batch_size (0 = from the config)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved builder/ceiling repeats after a warm-up")
+    p.add_argument("--skip-build", action="store_true")
+    p.add_argument("--skip-search", action="store_true")
+    p.add_argument("--sizes", nargs="+", type=int, default=[100_000, 1_000_000], help="numbers of keys")
+    p.add_argument("--dim", type=int, default=576, help="key width (SmolLM2-135M hidden size)")
+    p.add_argument("--num-queries", type=int, default=1000)
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--noise", type=float, default=0.5, help="noise norm of the 'noisy' query set")
+    p.add_argument("--nprobe", nargs="+", type=int, default=[16, 64], help="IVF nprobe values (16 = config default)")
+    p.add_argument("--ef-search", nargs="+", type=int, default=[128, 512],
+                   help="HNSW ef_search values (128 = config default)")
+    p.add_argument("--hnsw-max-size", type=int, default=0, help="skip HNSW above this many keys (0 = no cap)")
+    p.add_argument("--ivf-max-size", type=int, default=0, help="skip IVF above this many keys (0 = no cap)")
+    p.add_argument("--skip-index", nargs="*", default=[], choices=["flat", "ivf", "hnsw"])
+    p.add_argument("--skip-ram-reference", action="store_true", help="do not run the torch-ram reference row")
+    p.add_argument("--search-repeats", type=int, default=3)
+    p.add_argument("--shard-rows", type=int, default=0, help="rows per shard of the key banks (0 = bank.shard_rows)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="where temp banks go (default: the system temp dir)")
+    p.add_argument("--out", default=None, help="also write the summary as JSON here")
+    args = p.parse_args(argv)
+
+    workdir = Path(args.workdir or tempfile.gettempdir())
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        import faiss
+        faiss_version = faiss.__version__
+    except ImportError:
+        faiss_version = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    report: dict[str, Any] = {"env": {
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "faiss": faiss_version,
+        "cpu": f"{cpu} x{os.cpu_count()}", "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv,
+    }}
+    t_start = time.perf_counter()
+
+    if not args.skip_build:
+        cfg, examples, n_chunks, n_groups = load_corpus(args.config, args.max_chunks)
+        log(f"[build] corpus: {args.config} synthetic {cfg.data.synthetic.variant}, splits {list(examples)}, "
+            f"{n_groups} histories, {n_chunks} chunks")
+        report["corpus"] = {"config": args.config, "num_groups": n_groups, "num_chunks": n_chunks,
+                            "max_chunks": args.max_chunks}
+        report["builder"] = []
+        for m in args.models:
+            r = bench_builder(m, args, cfg, examples, n_chunks, workdir)
+            report["builder"].append(r)
+
+    if not args.skip_search:
+        from elasticmem.config import BankConfig
+
+        args.shard_rows = args.shard_rows or BankConfig().shard_rows
+        if faiss_version is None:
+            args.skip_index = ["flat", "ivf", "hnsw"]
+            log("[search] faiss is not installed: only the torch index is measured")
+        report["search_settings"] = {k: getattr(args, k) for k in
+                                     ("dim", "num_queries", "k", "noise", "nprobe", "ef_search", "hnsw_max_size",
+                                      "ivf_max_size", "search_repeats", "shard_rows", "seed")}
+        report["search"] = []
+        for n in args.sizes:
+            report["search"].extend(bench_search(n, args, workdir))
+
+    report["total_s"] = time.perf_counter() - t_start
+    text = summary_text(report, args.k)
+    report["summary_text"] = text
+    print(text)
+    print(f"total {report['total_s']:.0f} s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

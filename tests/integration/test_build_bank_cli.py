@@ -1,0 +1,124 @@
+"""build_bank.py end to end: CLI, resume, 2-process accelerate build, SmolLM2 keys vs transformers.
+
+    pytest tests/integration/test_build_bank_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, make_examples, requires_smollm2
+from elasticmem.bank import Bank
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    env.pop("ACCELERATE_USE_CPU", None)
+    return env
+
+
+def _run(args, env=None, check=True):
+    p = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    _run([sys.executable, "-m", "elasticmem.data.prepare", "synthetic", "--config", "configs/tiny.yaml",
+          f"data.dir={d}", "data.synthetic.num_histories=12"])
+    assert {p.name for p in d.iterdir()} >= {"train.jsonl", "val.jsonl", "test.jsonl", "stats.json"}
+    return d
+
+
+def test_cli_builds_prints_and_saves_config(tmp_path, tiny_data):
+    out = tmp_path / "bank"
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
+              f"bank.dir={out}", "bank.shard_rows=16", "bank.verify=true"])
+    assert "resolved config:" in p.stderr
+    bank = Bank.open(out, verify=True)
+    assert f"chunks {bank.num_chunks}" in p.stdout and "(built, verified)" in p.stdout
+    assert (out / "config.yaml").is_file()
+    n_groups = sum(len({json.loads(line)["group"] for line in (tiny_data / f"{s}.jsonl").open()})
+                   for s in ("train", "val", "test"))
+    assert len(bank.groups) == n_groups
+    again = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
+                  f"bank.dir={out}", "bank.shard_rows=16"])
+    assert "already built" in again.stdout
+
+
+def test_cli_errors_are_clear(tmp_path, tiny_data):
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", "bank.shard_row=3"], check=False)
+    assert p.returncode == 2 and "did you mean 'bank.shard_rows'" in p.stderr
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tmp_path}/none"],
+             check=False)
+    assert p.returncode == 2 and "prepare the data first" in p.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "train.jsonl").write_text('{"id": "a", "question": "q", "choices": ["x", "y"], "answer_index": 0, '
+                                     '"history": []}\n')
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={bad}",
+              "bank.splits=[train]", f"bank.dir={tmp_path}/b"], check=False)
+    assert p.returncode == 2 and f"{bad}/train.jsonl:1" in p.stderr and "'history' is empty" in p.stderr
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", "model.name_or_path=/no/such/model"],
+             check=False)
+    assert p.returncode == 2 and "model path not found: /no/such/model" in p.stderr
+
+
+def test_two_process_build_equals_one_process(tmp_path, tiny_data):
+    common = ["build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}", "bank.shard_rows=8"]
+    _run([sys.executable, *common, f"bank.dir={tmp_path}/one"])
+    # Real DDP over gloo on CPU needs ACCELERATE_USE_CPU with --multi_gpu (see DESIGN.md section 4).
+    env = dict(_env(), ACCELERATE_USE_CPU="1")
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+          *common, f"bank.dir={tmp_path}/two"], env=env)
+    one, two = Bank.open(tmp_path / "one", verify=True), Bank.open(tmp_path / "two", verify=True)
+    build = two.manifest["build"]
+    assert build["num_processes"] == 2
+    assert set(build["shard_writers"]) == {0, 1}, "both processes must have encoded shards"
+    assert one.manifest["groups"] == two.manifest["groups"]
+    assert [c["text"] for c in one.chunks()] == [c["text"] for c in two.chunks()]
+    assert torch.allclose(one.keys(), two.keys(), atol=1e-5)
+    c1, l1 = one.gather(torch.arange(one.num_chunks))
+    c2, l2 = two.gather(torch.arange(two.num_chunks))
+    assert torch.equal(l1, l2) and torch.allclose(c1, c2, atol=1e-5)
+
+
+@requires_smollm2
+def test_smollm2_keys_and_caches_equal_transformers(tmp_path, smollm2_backbone):
+    """Real model: bank rows equal hidden_states[-1] recomputed chunk by chunk with plain transformers."""
+    from elasticmem.bank import build_bank
+    from elasticmem.config import BankConfig, ChunkingConfig, load_config
+    from elasticmem.data.synthetic import generate
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["data.synthetic.num_histories=10"])
+    persona = generate(cfg.data.synthetic, seed=0)["test"][:1]
+    examples = persona + make_examples(1)  # persona chunks (~20-50 tokens) and very short ones
+    chunking = ChunkingConfig(max_tokens=40)  # some chunks are truncated
+    bank_cfg = BankConfig(dir=str(tmp_path / "bank"), n_cache=20, batch_size=6, shard_rows=16)
+    build_bank({"test": examples}, smollm2_backbone, chunking, bank_cfg, torch.float32, show_progress=False)
+    bank = Bank.open(bank_cfg.dir, expect_fingerprint=smollm2_backbone.fingerprint)
+    lengths = [c["n_tokens"] for c in bank.chunks()]
+    assert min(lengths) < 20 < max(lengths) and max(lengths) == 40
+    cache, cache_len = bank.gather(torch.arange(bank.num_chunks))
+    tok, model = smollm2_backbone.tokenizer, smollm2_backbone.model
+    for row, rec in enumerate(bank.chunks()):
+        ids = tok(rec["text"], truncation=True, max_length=40, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            H = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        L, c = H.shape[0], min(H.shape[0], 20)
+        assert (bank.keys(row, row + 1)[0] - H[-1] / H[-1].norm()).abs().max() < 1e-4
+        assert cache_len[row] == c
+        assert (cache[row, 20 - c :] - H[L - c :]).abs().max() < 1e-4
+        assert (cache[row, : 20 - c] == 0).all()

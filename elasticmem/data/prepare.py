@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from elasticmem.utils.configuration import parse_cli
@@ -28,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.data.synthetic import write_synthetic
 
     stats = write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    summary = {k: v for k, v in stats.items() if k not in ("config",)}
-    print(f"prepared {name} in {cfg.data.dir}:", json.dumps(summary, indent=1, default=str))
+    print(f"prepared {name} ({cfg.data.synthetic.variant}, seed {cfg.seed}) in {cfg.data.dir}:")
+    for split in ("train", "val", "test"):
+        s = stats["splits"][split]
+        types = ", ".join(f"{k} {v}" for k, v in sorted(s["question_types"].items()))
+        print(f"  {split:5s} {s['examples']:5d} questions, {s['histories']:4d} histories, "
+              f"{s['chunks']:6d} chunks ({types})")
     return 0
 
 

@@ -70,8 +70,8 @@ def test_cli_errors_are_clear(tmp_path, tiny_data):
     p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={bad}",
               "bank.splits=[train]", f"bank.dir={tmp_path}/b"], check=False)
     assert p.returncode == 2 and f"{bad}/train.jsonl:1" in p.stderr and "'history' is empty" in p.stderr
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", "model.name_or_path=/no/such/model"],
-             check=False)
+    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
+              "model.name_or_path=/no/such/model"], check=False)
     assert p.returncode == 2 and "model path not found: /no/such/model" in p.stderr
 
 

@@ -347,6 +347,12 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         "builder_chunks_per_s": n_chunks / bm,
         "ceiling_chunks_per_s": n_chunks / cm,
         "ratio_builder_over_ceiling": cm / bm,
+        "builder_best_s": min(builder_s),
+        "ceiling_best_s": min(ceiling_s),
+        "ratio_best_over_best": min(ceiling_s) / min(builder_s),
+        # share of each builder run's wall time spent in decoder forwards (same run, so host noise
+        # that slows everything cancels): an upper bound on builder/ceiling if forwards ran at ceiling speed
+        "forward_share_median": med([p.get("forward", 0.0) / w for p, w in zip(phases, builder_s)]),
         "phases_median_s": phase_med,
         "other_dtype_build_s": wall_other,
         "other_dtype": str(other).removeprefix("torch."),
@@ -536,14 +542,18 @@ def summary_text(report: dict[str, Any], k: int) -> str:
         lines.append("")
         lines.append("BUILDER vs CEILING (median of interleaved repeats; goal ratio >= 0.9)")
         hdr = (f"{'model':8s} {'device':6s} {'chunks':>6s} {'tokens':>7s} {'batch':>5s} {'builder s':>9s} "
-               f"{'chunks/s':>9s} {'ceiling s':>9s} {'chunks/s':>9s} {'ratio':>6s}  runs builder / ceiling (s)")
+               f"{'chunks/s':>9s} {'ceiling s':>9s} {'chunks/s':>9s} {'ratio':>6s} {'best':>6s} {'fwd%':>6s}  "
+               f"runs builder / ceiling (s)")
         lines.append(hdr)
         for b in builds:
             lines.append(
                 f"{b['model']:8s} {b['device']:6s} {b['num_chunks']:6d} {b['num_tokens']:7d} {b['batch_size']:5d} "
                 f"{b['builder_median_s']:9.3f} {b['builder_chunks_per_s']:9.1f} {b['ceiling_median_s']:9.3f} "
-                f"{b['ceiling_chunks_per_s']:9.1f} {b['ratio_builder_over_ceiling']:6.3f}  "
+                f"{b['ceiling_chunks_per_s']:9.1f} {b['ratio_builder_over_ceiling']:6.3f} "
+                f"{b['ratio_best_over_best']:6.3f} {100 * b['forward_share_median']:5.1f}%  "
                 f"{' '.join(f'{x:.2f}' for x in b['builder_s'])} / {' '.join(f'{x:.2f}' for x in b['ceiling_s'])}")
+        lines.append(f"{'':8s} (ratio = builder chunks/s / ceiling chunks/s from medians; best = from the fastest run "
+                     f"of each; fwd% = share of a builder run spent in decoder forwards, median)")
         lines.append("")
         lines.append("builder phases (median s per build; forward = decoder forwards inside the builder)")
         keys = ["make_plan", "_prepare_dir", "_write_chunks", "forward", "encode_shard_minus_forward",

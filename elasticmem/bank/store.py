@@ -176,6 +176,18 @@ class Bank:
     def group_keys(self, group: str) -> torch.Tensor:
         return self.keys(*self.group_rows(group))
 
+    def _gather_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [R] (valid indices) of one shard tensor, read from the memory-mapped shards."""
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
+            raise IndexError(f"rows out of range [0, {self.num_chunks})")
+        shape = self._handles[0].get_slice(name).get_shape()[1:]
+        out = torch.empty(rows.numel(), *shape, dtype=self._shard_tensor(0, name).dtype)
+        shard_of = np.searchsorted(self._starts, rows.numpy(), side="right") - 1
+        for i in np.unique(shard_of):
+            sel = torch.from_numpy(np.nonzero(shard_of == i)[0])
+            out[sel] = self._shard_tensor(i, name)[rows[sel] - self.shards[i].start]
+        return out
+
     def gather(self, rows: torch.Tensor | np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Content caches of arbitrary rows.
 
@@ -183,17 +195,16 @@ class Bank:
         ``cache_len`` [R] int32.
         """
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
-            raise IndexError(f"rows out of range [0, {self.num_chunks})")
-        shard_of = np.searchsorted(self._starts, rows.numpy(), side="right") - 1
-        cache = torch.empty(rows.numel(), self.n_cache, self.hidden_size, dtype=self.cache_dtype)
-        cache_len = torch.empty(rows.numel(), dtype=torch.int32)
-        for i in np.unique(shard_of):
-            sel = torch.from_numpy(np.nonzero(shard_of == i)[0])
-            local = rows[sel] - self.shards[i].start
-            cache[sel] = self._shard_tensor(i, "cache")[local]
-            cache_len[sel] = self._shard_tensor(i, "cache_len")[local]
-        return cache, cache_len
+        return self._gather_rows("cache", rows), self._gather_rows("cache_len", rows)
+
+    def gather_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keys of rows of any shape [...] -> [..., d]; row -1 (a missing search result) gives zeros."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        flat = rows.reshape(-1)
+        out = torch.zeros(flat.numel(), self.hidden_size, dtype=torch.float32)
+        ok = flat >= 0
+        out[ok] = self._gather_rows("keys", flat[ok])
+        return out.reshape(*rows.shape, self.hidden_size)
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -1,0 +1,364 @@
+"""The elastic budget policy pi_phi: how many latent tokens each retrieved memory gets.
+
+For a query state ``h`` and its ``Z`` retrieved memories (rank order, keys
+``k_j``, cosine scores ``s_j``) the policy gives each memory a categorical
+distribution over budgets ``{min_budget..max_budget}`` and samples ``b_j``
+(DESIGN.md section 1, item 3). Variants, all behind one interface and chosen
+by ``BudgetPolicyConfig.variant``:
+
+* ``transformer`` (paper): a Transformer encoder reads the Z memories jointly;
+* ``autoregressive`` (reference code): the same encoder under a causal mask,
+  each memory also seeing an embedding of the previous decision ``b_{j-1}``;
+* ``mlp``: each memory scored alone, no comparison between memories;
+* ``uniform``: every memory gets ``uniform_budget`` (no parameters);
+* ``random``: budgets uniform over ``{min_budget..max_budget}`` (no parameters).
+
+The learned variants share one path: per-memory features
+``Linear([h; k_j; h*k_j; s_j]) + rank_embedding[j]`` -> body -> ``Linear(d_b, K)``
+with ``K = max_budget - min_budget + 1`` classes, class ``c`` meaning budget
+``min_budget + c``. The two fixed variants are constant logits (all zero for
+``random``, a point mass for ``uniform``), so sampling, log-probabilities and
+entropies are computed by the same code for every variant.
+
+Slots whose ``mask`` is False (fewer than Z memories retrieved) get budget 0,
+log-prob 0 and entropy 0, and never influence the other slots. All math runs
+in float32, whatever the input dtype or an enclosing autocast.
+
+Test with::
+
+    pytest tests/unit/test_budget_policy.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Literal, NamedTuple, get_args
+
+import torch
+from torch import Tensor, nn
+
+BudgetVariant = Literal["transformer", "autoregressive", "mlp", "uniform", "random"]
+VARIANTS: tuple[str, ...] = get_args(BudgetVariant)
+LEARNED_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive", "mlp")
+ENCODER_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class BudgetPolicyConfig:
+    """The budget allocator: per retrieved memory, a latent budget in {min_budget..max_budget}."""
+
+    variant: BudgetVariant = "transformer"
+    """'transformer' (paper): an encoder reads the Z retrieved memories jointly. 'autoregressive'
+    (reference code): the same encoder under a causal mask, each memory also seeing the previous
+    memory's decision. 'mlp': each memory scored alone. 'uniform': every memory gets
+    uniform_budget (no parameters). 'random': budgets uniform over {min_budget..max_budget}, also
+    at evaluation (no parameters)."""
+    d_model: int = 256
+    """Width d_b of the policy network (learned variants)."""
+    num_heads: int = 4
+    """Attention heads of the encoder (transformer, autoregressive); must divide d_model."""
+    num_layers: int = 2
+    """Encoder layers (transformer, autoregressive)."""
+    dropout: float = 0.1
+    """Dropout of the encoder or MLP; active in train mode only."""
+    max_budget: int = 20
+    """B_max: the most latent tokens one memory can receive."""
+    min_budget: int = 0
+    """Smallest budget of a retrieved memory: 0 lets the policy drop a memory (paper), 1 always
+    injects at least one token (reference code)."""
+    product_feature: bool = True
+    """Include h*k_j in each memory's features (paper); the reference code omits it."""
+    max_rank: int = 64
+    """Rows of the learned rank embedding; the number Z of retrieved memories must be <= this."""
+    uniform_budget: int | None = None
+    """Budget of every memory under variant 'uniform'; null = max_budget."""
+    clip_budget: int | None = None
+    """Inference-time clipping (paper appendix A.6): in greedy mode, budgets above it are lowered
+    to it. Sampling for training and the learned parameters are unchanged. null = no clipping."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        _require(self.variant in VARIANTS, f"variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        _require(0 <= self.min_budget <= self.max_budget,
+                 f"budgets need 0 <= min_budget <= max_budget, got min_budget={self.min_budget}, "
+                 f"max_budget={self.max_budget}")
+        _require(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
+        _require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        _require(self.max_rank >= 1, f"max_rank must be >= 1, got {self.max_rank}")
+        if self.variant in ENCODER_VARIANTS:
+            _require(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}")
+            _require(self.num_heads >= 1 and self.d_model % self.num_heads == 0,
+                     f"num_heads ({self.num_heads}) must be >= 1 and divide d_model ({self.d_model})")
+        if self.uniform_budget is not None:
+            _require(self.min_budget <= self.uniform_budget <= self.max_budget,
+                     f"uniform_budget ({self.uniform_budget}) must lie in min_budget..max_budget "
+                     f"({self.min_budget}..{self.max_budget})")
+        if self.clip_budget is not None:
+            _require(self.clip_budget >= self.min_budget,
+                     f"clip_budget ({self.clip_budget}) must be >= min_budget ({self.min_budget}): "
+                     "clipping may lower a budget, not take it out of the action space")
+
+    @property
+    def num_classes(self) -> int:
+        """K: the number of budget actions, max_budget - min_budget + 1."""
+        return self.max_budget - self.min_budget + 1
+
+
+class BudgetSample(NamedTuple):
+    """One allocation for a batch of retrieved sets; every field is 0 at masked slots.
+
+    * ``budgets`` [N, Z] long: latent tokens per memory (clipped in greedy mode when
+      ``clip_budget`` is set);
+    * ``log_prob`` [N, Z] float32: log pi(b_j) of the sampled action before clipping;
+    * ``entropy`` [N, Z] float32: entropy of each memory's budget distribution.
+    """
+
+    budgets: Tensor
+    log_prob: Tensor
+    entropy: Tensor
+
+
+@contextlib.contextmanager
+def _float32(like: Tensor) -> Iterator[None]:
+    # An enclosing bf16 autocast (accelerate mixed precision) would otherwise run the small
+    # policy in bf16, where log-prob ratios of near-equal logits are too coarse for GRPO.
+    with torch.autocast(device_type=like.device.type, enabled=False):
+        yield
+
+
+class BudgetPolicy(nn.Module):
+    """Assigns each of the Z retrieved memories a budget (see the module docstring).
+
+    Args:
+        cfg: the policy settings.
+        hidden_size: d, the width of the query state h and of the keys k_j.
+
+    Inputs of every method (N retrieved sets, Z slots, d = hidden_size):
+    ``h`` [N, d] query states, ``keys`` [N, Z, d], ``scores`` [N, Z] cosine scores,
+    ``mask`` [N, Z] bool, True where a memory was retrieved. Values at masked
+    slots are ignored (they may be garbage, even NaN). Keep the module's
+    parameters in float32. The caller detaches the inputs if the policy
+    should not send gradients into the reasoner.
+    """
+
+    def __init__(self, cfg: BudgetPolicyConfig, hidden_size: int) -> None:
+        super().__init__()
+        _require(hidden_size >= 1, f"hidden_size must be >= 1, got {hidden_size}")
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        self.num_classes = cfg.num_classes
+        if cfg.variant not in LEARNED_VARIANTS:
+            return
+        num_features = (3 if cfg.product_feature else 2) * hidden_size + 1
+        self.input_proj = nn.Linear(num_features, cfg.d_model)
+        self.rank_embedding = nn.Embedding(cfg.max_rank, cfg.d_model)
+        self.body: nn.Module
+        if cfg.variant == "mlp":
+            # with input_proj and head this is Linear-GELU-Dropout-Linear per memory
+            self.body = nn.Sequential(nn.GELU(), nn.Dropout(cfg.dropout))
+        else:
+            layer = nn.TransformerEncoderLayer(
+                cfg.d_model, cfg.num_heads, dim_feedforward=4 * cfg.d_model, dropout=cfg.dropout,
+                batch_first=True,
+            )
+            self.body = nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=False)
+        if cfg.variant == "autoregressive":
+            # decision tokens: 0 = start (slot 0), 1..K = class of b_{j-1}, K+1 = slot j-1 absent
+            self.decision_embedding = nn.Embedding(self.num_classes + 2, cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, self.num_classes)
+
+    # ----------------------------------------------------------------- public interface
+
+    def logits(
+        self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor, prev_budgets: Tensor | None = None
+    ) -> Tensor:
+        """Budget logits [N, Z, K]; class c is budget min_budget + c.
+
+        ``prev_budgets`` [N, Z] long is required by the autoregressive variant and
+        ignored by the others: the budgets b_0..b_{Z-1} of the trajectory being scored
+        (teacher forcing); slot j sees b_{j-1} only. ``uniform`` returns a point mass
+        (0 at its class, -inf elsewhere) and ``random`` all zeros.
+        """
+        self._check_inputs(h, keys, scores, mask)
+        prev = None
+        if self.cfg.variant == "autoregressive":
+            _require(prev_budgets is not None,
+                     "the autoregressive budget policy needs prev_budgets (the decisions it conditions on)")
+            prev = self._to_classes(prev_budgets, mask)
+        with _float32(h):
+            return self._logits(h, keys, scores, mask, prev)
+
+    def sample(
+        self,
+        h: Tensor,
+        keys: Tensor,
+        scores: Tensor,
+        mask: Tensor,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> BudgetSample:
+        """Draw budgets (greedy: the most likely ones) with their log-probs and entropies.
+
+        The autoregressive variant decodes slot by slot, each decision conditioning
+        the next. ``greedy`` is ignored by ``random`` (a random allocation stays random
+        at evaluation). ``clip_budget`` applies in greedy mode only, after decoding, so
+        ``log_prob`` is that of the unclipped action and later slots of the
+        autoregressive variant saw the unclipped decisions. Draws use ``generator``
+        (on the inputs' device), so a seeded generator gives the same budgets.
+        """
+        self._check_inputs(h, keys, scores, mask)
+        argmax = greedy and self.cfg.variant != "random"
+        with _float32(h):
+            if self.cfg.variant == "autoregressive":
+                logits, classes = self._decode(h, keys, scores, mask, argmax, generator)
+            else:
+                logits = self._logits(h, keys, scores, mask, None)
+                classes = self._choose(logits, argmax, generator)
+            classes = torch.where(mask, classes, 0)
+            log_prob, entropy = self._log_prob_entropy(logits, classes, mask)
+        budgets = torch.where(mask, classes + self.cfg.min_budget, 0)
+        if greedy and self.cfg.clip_budget is not None:
+            budgets = budgets.clamp_max(self.cfg.clip_budget)
+        return BudgetSample(budgets, log_prob, entropy)
+
+    def log_prob(
+        self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor, budgets: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(log pi(b_j) [N, Z], entropy [N, Z]) of given budgets, with gradients; 0 at masked slots.
+
+        Reproduces ``sample(...).log_prob`` for the sampled budgets when the module is
+        in the same mode (eval: no dropout). Budgets outside {min_budget..max_budget}
+        at present slots raise ValueError; under ``uniform`` any budget other than
+        uniform_budget has log-prob -inf.
+        """
+        self._check_inputs(h, keys, scores, mask)
+        classes = self._to_classes(budgets, mask)
+        with _float32(h):
+            logits = self._logits(h, keys, scores, mask, classes)
+            return self._log_prob_entropy(logits, classes, mask)
+
+    # ----------------------------------------------------------------- internals
+
+    def _check_inputs(self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor) -> None:
+        d = self.hidden_size
+        _require(h.dim() == 2 and h.shape[1] == d, f"h must be [N, {d}], got {tuple(h.shape)}")
+        n = h.shape[0]
+        _require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
+                 f"keys must be [N={n}, Z, {d}], got {tuple(keys.shape)}")
+        z = keys.shape[1]
+        _require(tuple(scores.shape) == (n, z), f"scores must be [N, Z] = [{n}, {z}], got {tuple(scores.shape)}")
+        _require(tuple(mask.shape) == (n, z), f"mask must be [N, Z] = [{n}, {z}], got {tuple(mask.shape)}")
+        _require(mask.dtype == torch.bool, f"mask must be bool, got {mask.dtype}")
+        _require(self.cfg.variant not in LEARNED_VARIANTS or z <= self.cfg.max_rank,
+                 f"{z} retrieved memories exceed max_rank ({self.cfg.max_rank}) of the rank embedding")
+
+    def _to_classes(self, budgets: Tensor, mask: Tensor) -> Tensor:
+        """Budgets [N, Z] -> class indices [N, Z] long (0 at masked slots); ValueError when out of range."""
+        _require(budgets.shape == mask.shape, f"budgets must be [N, Z] = {tuple(mask.shape)}, got {tuple(budgets.shape)}")
+        _require(not budgets.is_floating_point() and not budgets.is_complex(),
+                 f"budgets must be an integer tensor, got {budgets.dtype}")
+        present = budgets[mask]
+        lo, hi = self.cfg.min_budget, self.cfg.max_budget
+        if present.numel() and bool((present < lo).any() | (present > hi).any()):
+            raise ValueError(f"budgets at present slots must lie in {lo}..{hi}, got values in "
+                             f"{int(present.min())}..{int(present.max())}")
+        return torch.where(mask, budgets.long() - lo, 0)
+
+    def _logits(self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor, prev: Tensor | None) -> Tensor:
+        """[N, Z, K] logits; ``prev`` [N, Z]: the classes the autoregressive variant conditions on."""
+        if self.cfg.variant not in LEARNED_VARIANTS:
+            return self._fixed_logits(mask)
+        tokens = None
+        if self.cfg.variant == "autoregressive":
+            assert prev is not None, "the public methods supply prev to the autoregressive variant"
+            tokens = self._decision_tokens(prev, mask)
+        return self._forward(self._embed(h, keys, scores, mask), mask, tokens)
+
+    def _fixed_logits(self, mask: Tensor) -> Tensor:
+        """Constant [N, Z, K] logits of the parameter-free variants."""
+        n, z = mask.shape
+        if self.cfg.variant == "random":
+            return torch.zeros(n, z, self.num_classes, device=mask.device)
+        budget = self.cfg.max_budget if self.cfg.uniform_budget is None else self.cfg.uniform_budget
+        logits = torch.full((n, z, self.num_classes), -math.inf, device=mask.device)
+        logits[..., budget - self.cfg.min_budget] = 0.0
+        return logits
+
+    def _embed(self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
+        """Per-memory inputs [N, Z, d_b]: Linear([h; k_j; h*k_j; s_j]) + rank embedding of j."""
+        keys = keys.float()
+        hq = h.float()[:, None, :].expand_as(keys)
+        parts = [hq, keys, hq * keys] if self.cfg.product_feature else [hq, keys]
+        features = torch.cat(parts + [scores.float()[..., None]], dim=-1)
+        # zero absent slots before the projection: NaN garbage there would otherwise reach the
+        # other slots through 0-weight attention (0 * NaN) and the weight gradients
+        features = torch.where(mask[..., None], features, 0.0)
+        return self.input_proj(features) + self.rank_embedding.weight[: keys.shape[1]]
+
+    def _decision_tokens(self, classes: Tensor, mask: Tensor) -> Tensor:
+        """[N, Z] long: the decision token slot j sees (start, class of b_{j-1} + 1, or absent)."""
+        handed_on = torch.where(mask, classes + 1, self.num_classes + 1)
+        start = torch.zeros_like(handed_on[:, :1])
+        return torch.cat([start, handed_on[:, :-1]], dim=1)
+
+    def _forward(self, x: Tensor, mask: Tensor, tokens: Tensor | None) -> Tensor:
+        """[N, Z, d_b] inputs -> [N, Z, K] logits."""
+        if tokens is not None:
+            x = x + self.decision_embedding(tokens)
+        if self.cfg.variant == "mlp":
+            return self.head(self.body(x))
+        return self.head(self.body(x, mask=self._attention_mask(mask)))
+
+    def _attention_mask(self, mask: Tensor) -> Tensor:
+        """[N * heads, Z, Z] bool, True where query slot i may not attend to key slot j."""
+        z = mask.shape[1]
+        eye = torch.eye(z, dtype=torch.bool, device=mask.device)
+        # absent keys are hidden from every other slot; each slot still sees itself, so no
+        # softmax row is empty (an empty row, e.g. an all-absent set, would be NaN)
+        blocked = ~mask[:, None, :] & ~eye
+        if self.cfg.variant == "autoregressive":
+            blocked = blocked | torch.ones_like(eye).triu(1)
+        return blocked.repeat_interleave(self.cfg.num_heads, dim=0)
+
+    def _decode(
+        self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor, argmax: bool,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Autoregressive decoding: (logits [N, Z, K] each computed before its own decision, classes [N, Z])."""
+        x = self._embed(h, keys, scores, mask)
+        n, z = mask.shape
+        classes = torch.zeros(n, z, dtype=torch.long, device=mask.device)
+        steps = []
+        for j in range(z):
+            # the causal mask hides slots > j, so their placeholder decisions do not matter
+            step = self._forward(x, mask, self._decision_tokens(classes, mask))[:, j]
+            classes[:, j] = self._choose(step, argmax, generator)
+            steps.append(step)
+        return torch.stack(steps, dim=1), classes
+
+    def _choose(self, logits: Tensor, argmax: bool, generator: torch.Generator | None) -> Tensor:
+        """Class per row of logits [..., K] -> [...] long: argmax, or a draw from softmax."""
+        if argmax:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.detach().float(), dim=-1).reshape(-1, self.num_classes)
+        if probs.shape[0] == 0:
+            return torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        return torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+
+    def _log_prob_entropy(self, logits: Tensor, classes: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits [N, Z, K] and classes [N, Z] -> (log-prob, entropy), each [N, Z] and 0 at masked slots."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(-1, classes[..., None]).squeeze(-1)
+        # clamp so impossible classes (-inf, uniform variant) add 0 * finite instead of 0 * -inf = NaN
+        entropy = (logp.exp() * -logp.clamp_min(torch.finfo(logp.dtype).min)).sum(dim=-1)
+        return torch.where(mask, chosen, 0.0), torch.where(mask, entropy, 0.0)

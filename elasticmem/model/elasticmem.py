@@ -1,0 +1,465 @@
+"""The ElasticMem model: one ``nn.Module`` holding the LoRA reasoner, budget policy and projector.
+
+A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
+
+1. the reasoner reads prompt(q) and draws a retrieval-control token a; the query
+   state h is its final-layer state at a (other retrieval modes: the last prompt
+   token with or without the adapter, or MiniLM on the question);
+2. cosine top-Z of h over the keys of q's bank group;
+3. the budget policy draws b_j in {min..B_max} per retrieved memory;
+4. the last min(b_j, c_j) valid cached states of memory j are projected into
+   input-embedding space;
+5. the answer y is generated from ``[prompt][a][Z_1][sep]...[Z_Z][sep][suffix]``.
+
+``sample`` (G trajectories per query) and ``greedy`` record every action and
+its log-probability; ``score`` recomputes all log-probabilities with gradients
+in one forward pass, for the GRPO loss. The G trajectories of one query share
+one forward pass over its prompt.
+
+Bad input, handled:
+- a bank encoded by another model: refused (``BankError``) at construction;
+- Z larger than a group: the group's chunks are used, missing slots are masked
+  (budget 0, no soft tokens), and a warning is printed once per model;
+- budgets above a chunk's cache length: only the ``cache_len`` valid states are
+  injected (never padding); ``token counts`` report what was injected;
+- an empty answer (EOS first): the answer text is "" and the EOS token is its
+  one scored unit, so the trajectory still gets a log-probability and reward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from elasticmem.bank.index import KeyIndex, build_index
+from elasticmem.bank.store import Bank, BankError
+from elasticmem.config import IndexConfig, MemoryConfig
+from elasticmem.data.schema import Example
+from elasticmem.model.budget_policy import BudgetPolicy
+from elasticmem.model.injection import Layout, assemble
+from elasticmem.model.projector import Projector, select_last_valid
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "elasticmem_config.json"
+
+
+@dataclass
+class Trajectories:
+    """N = B * G trajectories; tensors on CPU. Padded slots: rows -1, mask False, budgets 0."""
+
+    example_ids: list[str]
+    query_index: torch.Tensor
+    """[N] which query of the batch (0..B-1); trajectories of one query are contiguous."""
+    prompt_ids: list[list[int]]
+    suffix_ids: list[list[int]]
+    groups: list[str]
+    control: torch.Tensor
+    """[N] control token a, -1 in modes without one."""
+    rows: torch.Tensor
+    """[N, Z] retrieved bank rows, rank order; -1 where the group had fewer than Z chunks."""
+    scores: torch.Tensor
+    """[N, Z] cosine scores (0 at missing slots)."""
+    mask: torch.Tensor
+    """[N, Z] bool, True where a memory was retrieved."""
+    budgets: torch.Tensor
+    """[N, Z] long, sampled budgets b_j (0 at missing slots)."""
+    soft_counts: torch.Tensor
+    """[N, Z] long, soft tokens injected per memory: min(b_j, cache_len_j) (after clipping in greedy)."""
+    answer_ids: torch.Tensor
+    """[N, T] generated tokens, pad after the first EOS."""
+    answer_mask: torch.Tensor
+    """[N, T] bool, True up to and including the first EOS."""
+    answers: list[str]
+    """Decoded answers (without EOS)."""
+    logp_control: torch.Tensor
+    """[N] log pi(a | prompt) at temperature tau (0 without a control token)."""
+    logp_budget: torch.Tensor
+    """[N, Z] log pi_phi(b_j) (0 at missing slots)."""
+    entropy_budget: torch.Tensor
+    """[N, Z] entropy of each budget distribution (0 at missing slots)."""
+    logp_answer: torch.Tensor
+    """[N, T] log-probs of answer tokens at the answer temperature (0 where answer_mask is False)."""
+    query_state: torch.Tensor
+    """[N, d_h] the retrieval query state h (detached)."""
+    answer_temperature: float
+    control_temperature: float
+    greedy: bool
+    num_tokens: torch.Tensor
+    """[N] #Tok = task-text tokens (prompt, a, suffix) + injected soft tokens + separators + generated tokens."""
+    memory_tokens: torch.Tensor
+    """[N] injected soft tokens, sum_j soft_counts (B_mem as injected)."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScoreOutput:
+    logp_control: torch.Tensor
+    """[N] (0 without a control token)."""
+    logp_budget: torch.Tensor
+    """[N, Z]"""
+    entropy_budget: torch.Tensor
+    """[N, Z]"""
+    logp_answer: torch.Tensor
+    """[N, T] (0 where answer_mask is False)"""
+
+
+def format_options(choices: Sequence[str]) -> str:
+    return "\n".join(f"({chr(ord('a') + i)}) {c}" for i, c in enumerate(choices))
+
+
+class ElasticMem(nn.Module):
+    """LoRA reasoner + budget policy + projector over a read-only bank."""
+
+    def __init__(self, backbone, cfg: MemoryConfig, bank: Bank, index: KeyIndex | None = None):
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+
+        if bank.fingerprint != backbone.fingerprint:
+            raise BankError(
+                f"bank {bank.root} was encoded by {bank.manifest['encoder']['name_or_path']!r} "
+                f"({bank.fingerprint[:23]}...), not by this backbone ({backbone.fingerprint[:23]}...): "
+                f"rebuild the bank with build_bank.py for this model"
+            )
+        self.cfg = cfg
+        self.tokenizer = backbone.tokenizer
+        self.backbone_name = backbone.name_or_path
+        self.fingerprint = backbone.fingerprint
+        self.bank = bank
+        self.index = index if index is not None else build_index(bank, IndexConfig(type="torch"))
+        lora = cfg.lora
+        self.lm = get_peft_model(
+            backbone.model,
+            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                       target_modules=list(lora.target_modules), task_type="CAUSAL_LM"),
+        )
+        device = next(self.lm.parameters()).device
+        self.semantic = None
+        d_query = backbone.hidden_size
+        if cfg.retrieval == "semantic":
+            from elasticmem.model.semantic import SemanticRetriever
+
+            self.semantic = SemanticRetriever(bank, cfg.semantic_model)
+            d_query = self.semantic.dim
+        self.policy = BudgetPolicy(cfg.policy, d_query).to(device)
+        self.projector = Projector(cfg.projector, backbone.hidden_size).to(device)
+        self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
+        self.eos_ids = self._eos_ids()
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    @property
+    def base(self) -> nn.Module:
+        """The causal LM with LoRA layers injected (adapter on unless disabled)."""
+        return self.lm.get_base_model()
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.base.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def encode_texts(self, ex: Example) -> tuple[list[int], list[int]]:
+        """Token ids of prompt(q) and suffix(u) for one example."""
+        tok, cfg = self.tokenizer, self.cfg
+        suffix = cfg.suffix_template.format(options=format_options(ex.choices), question=ex.question)
+        if cfg.prompt_template == "raw":
+            return tok(ex.question)["input_ids"], tok(suffix, add_special_tokens=False)["input_ids"]
+        # Chat: render the template around a placeholder and cut there, so the user turn holds
+        # the question, then (after a and the memories) the options, then the assistant prompt.
+        marker = "\u0000"
+        text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                       add_generation_prompt=True)
+        before, after = text.split(marker)
+        return (tok(before + ex.question, add_special_tokens=False)["input_ids"],
+                tok(suffix + after, add_special_tokens=False)["input_ids"])
+
+    def _decoder(self, disable_adapter: bool = False):
+        return self.lm.disable_adapter() if disable_adapter else contextlib.nullcontext()
+
+    def _forward_hidden(self, **kw) -> tuple[torch.Tensor, object]:
+        """Final-layer states (after the final norm) [N, L, d] and the KV cache."""
+        out = self.base.get_decoder()(**kw)
+        return out.last_hidden_state, out.cache
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.base.get_output_embeddings()(h).float()
+
+    # ------------------------------------------------------------------ step 1: query states
+
+    def _query_states(
+        self, prompts: list[list[int]], questions: list[str], G: int, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Control tokens [B*G], their log-probs [B*G] and query states [B*G, d_h]."""
+        B, device, mode = len(prompts), self.device, self.cfg.retrieval
+        if mode == "semantic":
+            h = self.semantic.encode_queries(questions).to(device).repeat_interleave(G, 0)
+            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
+        L = max(len(p) for p in prompts)
+        ids = torch.full((B, L), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.as_tensor(p)
+            mask[i, L - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with self._decoder(disable_adapter=mode == "frozen"):
+            H, cache = self._forward_hidden(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                            use_cache=mode == "control")
+        if mode != "control":
+            h = H[:, -1].float().repeat_interleave(G, 0)
+            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
+        logits = self._logits(H[:, -1]) / (1.0 if greedy else self.cfg.control_temperature)
+        logp = torch.log_softmax(logits, -1)  # [B, V]
+        if greedy:
+            a = logp.argmax(-1, keepdim=True).expand(B, G)
+        else:
+            a = torch.multinomial(logp.exp(), G, replacement=True)  # [B, G]
+        logp_a = logp.gather(1, a).reshape(-1)
+        cache.batch_repeat_interleave(G)
+        mask_g = torch.cat([mask.repeat_interleave(G, 0), torch.ones(B * G, 1, dtype=torch.long, device=device)], 1)
+        pos_a = mask.sum(-1, keepdim=True).repeat_interleave(G, 0)
+        H_a, _ = self._forward_hidden(input_ids=a.reshape(-1, 1), attention_mask=mask_g, position_ids=pos_a,
+                                      cache=cache, use_cache=True)
+        return a.reshape(-1).cpu(), logp_a.cpu(), H_a[:, -1].float()
+
+    # ------------------------------------------------------------------ steps 2-4
+
+    def _retrieve(self, h: torch.Tensor, groups: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        Z = self.cfg.top_z
+        if self.semantic is not None:
+            res = self.semantic.search(h, Z, groups)
+        else:
+            res = self.index.search(h, Z, groups)
+        mask = res.rows >= 0
+        if not mask.all():
+            small = sorted({g for g, m in zip(groups, mask) if not m.all()})
+            self._warn_once("small_group", f"top_z={Z} is larger than {len(small)} bank group(s) "
+                            f"(e.g. {small[0]!r}); using the chunks that exist (missing slots are masked)")
+        scores = torch.where(mask, res.scores, torch.zeros_like(res.scores))
+        return res.rows, scores, mask
+
+    def _policy_inputs(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        keys = self.semantic.gather_keys(rows) if self.semantic is not None else self.bank.gather_keys(rows)
+        return keys.to(self.device)
+
+    def _soft_tokens(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        """Projected soft tokens per trajectory (memories with 0 tokens left out) and counts [N, Z]."""
+        N, Z = rows.shape
+        flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
+        use = (flat_rows >= 0) & (flat_b > 0)
+        counts = torch.zeros(N * Z, dtype=torch.long)
+        per_traj: list[list[torch.Tensor]] = [[] for _ in range(N)]
+        if use.any():
+            cache, cache_len = self.bank.gather(flat_rows[use])
+            states, c = select_last_valid(cache, cache_len, flat_b[use])
+            soft = self.projector(states.to(self.device, torch.float32))
+            counts[use] = c
+            pieces = soft.split(c.tolist())
+            for k, flat_idx in enumerate(use.nonzero().reshape(-1).tolist()):
+                if c[k] > 0:
+                    per_traj[flat_idx // Z].append(pieces[k])
+        return per_traj, counts.reshape(N, Z)
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def sample(self, batch: Sequence[Example], group_size: int = 4, temperature: float = 1.0) -> Trajectories:
+        """G = ``group_size`` sampled trajectories per example (control token, budgets, answer)."""
+        return self._rollout(batch, group_size, temperature, greedy=False)
+
+    @torch.no_grad()
+    def greedy(self, batch: Sequence[Example]) -> Trajectories:
+        """One deterministic trajectory per example: argmax control token and budgets, greedy answer."""
+        return self._rollout(batch, 1, 1.0, greedy=True)
+
+    def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool) -> Trajectories:
+        if not batch:
+            raise ValueError("empty batch")
+        if G < 1 or temperature <= 0:
+            raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
+        t0 = time.perf_counter()
+        texts = [self.encode_texts(ex) for ex in batch]
+        prompts, suffixes = [t[0] for t in texts], [t[1] for t in texts]
+        a, logp_a, h = self._query_states(prompts, [ex.question for ex in batch], G, greedy)
+        groups = [ex.group for ex in batch for _ in range(G)]
+        rows, scores, mask = self._retrieve(h, groups)
+        t1 = time.perf_counter()
+        h_pol = h.detach() if self.cfg.detach_policy_inputs else h
+        bs = self.policy.sample(h_pol, self._policy_inputs(h, rows), scores.to(self.device), mask.to(self.device),
+                                greedy=greedy)
+        budgets = bs.budgets.cpu()
+        t2 = time.perf_counter()
+        soft, counts = self._soft_tokens(rows, budgets)
+        N = len(groups)
+        layouts = [Layout(prompts[i // G], None if a[i] < 0 else int(a[i]), soft[i], suffixes[i // G], [])
+                   for i in range(N)]
+        batch_in = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        answer_ids, answer_mask, logp_ans = self._generate(batch_in, temperature, greedy)
+        t3 = time.perf_counter()
+        n_mem = (counts > 0).sum(-1)
+        task_tokens = torch.tensor([len(prompts[i // G]) + len(suffixes[i // G]) + (a[i] >= 0) for i in range(N)])
+        memory_tokens = counts.sum(-1)
+        num_tokens = task_tokens + memory_tokens + n_mem * len(self.sep_ids) + answer_mask.sum(-1)
+        return Trajectories(
+            example_ids=[ex.id for ex in batch for _ in range(G)],
+            query_index=torch.arange(len(batch)).repeat_interleave(G),
+            prompt_ids=[prompts[i // G] for i in range(N)],
+            suffix_ids=[suffixes[i // G] for i in range(N)],
+            groups=groups,
+            control=a,
+            rows=rows,
+            scores=scores,
+            mask=mask,
+            budgets=budgets,
+            soft_counts=counts,
+            answer_ids=answer_ids,
+            answer_mask=answer_mask,
+            answers=[self.tokenizer.decode(ids[m], skip_special_tokens=True).strip()
+                     for ids, m in zip(answer_ids, answer_mask & ~self._is_eos(answer_ids))],
+            logp_control=logp_a,
+            logp_budget=bs.log_prob.cpu(),
+            entropy_budget=bs.entropy.cpu(),
+            logp_answer=logp_ans,
+            query_state=h.detach().cpu(),
+            answer_temperature=1.0 if greedy else temperature,
+            control_temperature=1.0 if greedy else self.cfg.control_temperature,
+            greedy=greedy,
+            num_tokens=num_tokens,
+            memory_tokens=memory_tokens,
+            timings={"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2},
+        )
+
+    def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.isin(ids, torch.tensor(self.eos_ids, dtype=ids.dtype))
+
+    def _generate(self, batch_in, temperature: float, greedy: bool):
+        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature."""
+        from transformers import GenerationConfig
+
+        # Only temperature shapes the sampling distribution (no top-k/top-p), so the recorded
+        # log-probs are exactly those of the distribution sampled from.
+        gen_cfg = GenerationConfig(
+            max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
+            temperature=None if greedy else temperature, top_k=None, top_p=None,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
+            return_dict_in_generate=True, output_logits=True,
+        )
+        out = self.lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+                               generation_config=gen_cfg)
+        ids = out.sequences[:, -len(out.logits):].cpu()
+        logits = torch.stack(out.logits, 1).float().cpu() / (1.0 if greedy else temperature)  # [N, T, V]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+        eos = self._is_eos(ids)
+        after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
+        mask = ~after_eos
+        ids = torch.where(mask, ids, torch.full_like(ids, self.tokenizer.pad_token_id))
+        return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
+
+    def score(self, traj: Trajectories) -> ScoreOutput:
+        """Log-probs of every recorded action under the current parameters, in one forward pass.
+
+        Gradients reach the LoRA adapter (control token and answer), the projector (soft
+        tokens are inputs of the answer) and the budget policy (its own log-probs); with
+        ``detach_policy_inputs=False`` also the adapter through h.
+        """
+        device, mode = self.device, self.cfg.retrieval
+        soft, _ = self._soft_tokens(traj.rows, traj.budgets)
+        N = len(traj.example_ids)
+        layouts = [
+            Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
+                   traj.suffix_ids[i], traj.answer_ids[i][traj.answer_mask[i]].tolist())
+            for i in range(N)
+        ]
+        x = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
+                                    position_ids=x.position_ids, use_cache=False)
+        ar = torch.arange(N, device=device)
+        if mode == "control":
+            logits_a = self._logits(H[ar, x.query_pos - 1]) / traj.control_temperature
+            logp_control = torch.log_softmax(logits_a, -1).gather(1, traj.control.to(device)[:, None]).squeeze(1)
+        else:
+            logp_control = torch.zeros(N, device=device)
+        h = H[ar, x.query_pos].float() if mode in ("control", "query_only") else traj.query_state.to(device)
+        if self.cfg.detach_policy_inputs:
+            h = h.detach()
+        logp_b, ent_b = self.policy.log_prob(h, self._policy_inputs(h, traj.rows), traj.scores.to(device),
+                                             traj.mask.to(device), traj.budgets.to(device))
+        T = traj.answer_ids.shape[1]
+        n_ans = traj.answer_mask.sum(-1).to(device)
+        # answer token t sits at answer_start + t and is predicted from the position before it
+        t_idx = torch.arange(T, device=device)
+        pos = (x.answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
+        logits = self._logits(H[ar[:, None], pos]) / traj.answer_temperature  # [N, T, V]
+        tgt = traj.answer_ids.to(device)
+        logp_ans = torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
+        valid = t_idx[None, :] < n_ans[:, None]
+        logp_ans = torch.where(valid, logp_ans, torch.zeros_like(logp_ans))
+        return ScoreOutput(logp_control, logp_b, ent_b, logp_ans)
+
+    # ------------------------------------------------------------------ persistence
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    def save_pretrained(self, out: str | Path) -> None:
+        """LoRA adapter (peft), ``budget_policy.safetensors``, ``projector.safetensors``, config JSON."""
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.lm.save_pretrained(out / "adapter")
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.policy.state_dict().items()},
+                  out / "budget_policy.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.projector.state_dict().items()},
+                  out / "projector.safetensors")
+        meta = {"format_version": FORMAT_VERSION, "memory": asdict(self.cfg),
+                "backbone": {"name_or_path": self.backbone_name, "fingerprint": self.fingerprint},
+                "bank": {"fingerprint": self.bank.fingerprint, "dir": str(self.bank.root)}}
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, backbone, bank: Bank, index: KeyIndex | None = None) -> "ElasticMem":
+        """Rebuild a saved model on ``backbone`` (which must be the one it was trained on)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from elasticmem.utils.configuration import from_dict
+
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{path} is not a saved ElasticMem model ({CONFIG_FILE} missing)")
+        meta = json.loads((path / CONFIG_FILE).read_text())
+        saved = meta["backbone"]["fingerprint"]
+        if saved != backbone.fingerprint:
+            raise ValueError(
+                f"{path} was trained on {meta['backbone']['name_or_path']!r} ({saved[:23]}...), but the backbone "
+                f"given is {backbone.name_or_path!r} ({backbone.fingerprint[:23]}...)"
+            )
+        model = cls(backbone, from_dict(MemoryConfig, meta["memory"]), bank, index)
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(model.device))
+        result = set_peft_model_state_dict(model.lm, adapter)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"unexpected adapter weights in {path}: {result.unexpected_keys[:3]}")
+        model.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=str(model.device)))
+        model.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=str(model.device)))
+        return model
+

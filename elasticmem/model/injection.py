@@ -1,0 +1,90 @@
+"""Soft-token injection: assemble ``[prompt][a][Z_1][sep]...[Z_Z][sep][suffix][answer]`` as input embeddings.
+
+Every trajectory has its own number of soft tokens, so sequences differ in
+length; they are left-padded (generation appends on the right) with an
+attention mask and position ids that count only real tokens, so a padded row
+computes exactly what the same row would alone. Memories with no soft tokens
+leave no trace, not even a separator (DESIGN.md section 1 item 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Layout:
+    """The parts of one trajectory's input, before embedding."""
+
+    prompt: list[int]
+    """Token ids of prompt(q)."""
+    control: int | None
+    """The retrieval-control token a, or None in modes without one."""
+    memories: list[torch.Tensor]
+    """Projected soft tokens per injected memory, rank order, each [c_j, d] with c_j >= 1."""
+    suffix: list[int]
+    """Token ids of suffix(u): the task instruction and the options."""
+    answer: list[int]
+    """Answer token ids to score (empty when generating)."""
+
+
+@dataclass
+class Assembled:
+    embeds: torch.Tensor
+    """[N, L, d] input embeddings, left-padded with zeros."""
+    attention_mask: torch.Tensor
+    """[N, L] long, 0 on padding."""
+    position_ids: torch.Tensor
+    """[N, L] long: 0.. over real tokens (padding gets 0)."""
+    query_pos: torch.Tensor
+    """[N] index of the query-state position: the control token, or the last prompt token without one."""
+    answer_start: torch.Tensor
+    """[N] index of the first answer token (= L - len(answer))."""
+    lengths: torch.Tensor
+    """[N] real (unpadded) lengths."""
+
+
+def assemble(
+    embedding: torch.nn.Module, layouts: Sequence[Layout], sep: Sequence[int]
+) -> Assembled:
+    """Embed and left-pad a batch of layouts.
+
+    Args:
+        embedding: the LM's input embedding (``model.get_input_embeddings()``); token
+            parts are embedded with it, soft tokens are cast to its dtype.
+        sep: token ids of the separator written after each injected memory.
+    """
+    weight = embedding.weight
+    device, dtype = weight.device, weight.dtype
+    sep_t = torch.as_tensor(list(sep), dtype=torch.long, device=device)
+    seqs, query_idx = [], []
+    for lay in layouts:
+        head = lay.prompt + ([lay.control] if lay.control is not None else [])
+        parts = [embedding(torch.as_tensor(head, dtype=torch.long, device=device))]
+        query_idx.append(len(head) - 1)
+        sep_e = embedding(sep_t) if lay.memories else None
+        for mem in lay.memories:
+            parts.append(mem.to(device=device, dtype=dtype))
+            parts.append(sep_e)
+        tail = lay.suffix + lay.answer
+        if tail:
+            parts.append(embedding(torch.as_tensor(tail, dtype=torch.long, device=device)))
+        seqs.append(torch.cat(parts, dim=0))
+    lengths = torch.tensor([s.shape[0] for s in seqs], device=device)
+    L = int(lengths.max())
+    pad = L - lengths
+    embeds = torch.stack([torch.nn.functional.pad(s, (0, 0, L - s.shape[0], 0)) for s in seqs])
+    mask = (torch.arange(L, device=device)[None, :] >= pad[:, None]).long()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    answer_len = torch.tensor([len(lay.answer) for lay in layouts], device=device)
+    return Assembled(
+        embeds=embeds,
+        attention_mask=mask,
+        position_ids=position_ids,
+        query_pos=pad + torch.tensor(query_idx, device=device),
+        answer_start=L - answer_len,
+        lengths=lengths,
+    )

@@ -1,0 +1,357 @@
+"""Tests of the elastic budget policy (elasticmem.model.budget_policy).
+
+Run with::
+
+    pytest tests/unit/test_budget_policy.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elasticmem.model.budget_policy import (
+    LEARNED_VARIANTS,
+    VARIANTS,
+    BudgetPolicy,
+    BudgetPolicyConfig,
+)
+from elasticmem.utils.configuration import field_docs
+
+D = 16  # hidden size of the query state and keys
+Z = 6
+SMALL = dict(d_model=32, num_heads=4, num_layers=2, max_budget=7)
+FIXED_VARIANTS = tuple(v for v in VARIANTS if v not in LEARNED_VARIANTS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # these tensors are tiny: with other jobs on the 2 cores, a second intra-op thread spin-waits
+    # for its partner and makes each encoder pass ~40x slower than the math it splits
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_policy(variant: str, seed: int = 0, **overrides) -> BudgetPolicy:
+    torch.manual_seed(seed)
+    return BudgetPolicy(BudgetPolicyConfig(variant=variant, **{**SMALL, **overrides}), D).eval()
+
+
+def make_inputs(n: int = 5, seed: int = 0):
+    """Query states, unit keys, cosine scores and a mask with trailing, inner and all-absent rows."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, D, generator=g)
+    keys = F.normalize(torch.randn(n, Z, D, generator=g), dim=-1)
+    scores = torch.einsum("nd,nzd->nz", F.normalize(h, dim=-1), keys)
+    mask = torch.ones(n, Z, dtype=torch.bool)
+    mask[1, 4:] = False  # fewer than Z memories retrieved
+    mask[2] = False  # nothing retrieved
+    mask[3, [0, 2]] = False  # holes anywhere
+    return h, keys, scores, mask
+
+
+def garbage_at_masked(keys, scores, mask, seed: int, value: float | None = None):
+    """Copies of keys/scores whose masked slots hold different garbage (random, or ``value``)."""
+    g = torch.Generator().manual_seed(seed)
+    k_noise = torch.randn(keys.shape, generator=g) * 50 if value is None else torch.full(keys.shape, value)
+    s_noise = torch.randn(scores.shape, generator=g) * 50 if value is None else torch.full(scores.shape, value)
+    return (torch.where(mask[..., None], keys, k_noise), torch.where(mask, scores, s_noise))
+
+
+def sample(policy, inputs, seed: int = 0, greedy: bool = False):
+    return policy.sample(*inputs, greedy=greedy, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_fields_documented():
+    docs = field_docs(BudgetPolicyConfig)
+    missing = [f.name for f in dataclasses.fields(BudgetPolicyConfig) if not docs.get(f.name)]
+    assert not missing
+
+
+@pytest.mark.parametrize("bad", [
+    dict(variant="lstm"), dict(min_budget=-1), dict(min_budget=5, max_budget=4), dict(d_model=30, num_heads=4),
+    dict(num_layers=0), dict(dropout=1.0), dict(max_rank=0), dict(uniform_budget=21),
+    dict(min_budget=1, uniform_budget=0), dict(min_budget=2, clip_budget=1),
+])
+def test_config_rejects(bad):
+    with pytest.raises(ValueError):
+        BudgetPolicyConfig(**bad)
+
+
+def test_config_ignores_encoder_settings_for_mlp():
+    assert BudgetPolicyConfig(variant="mlp", d_model=30, num_heads=4).num_classes == 21
+
+
+# ------------------------------------------------------------------ every variant
+
+
+@pytest.mark.parametrize("min_budget", [0, 1])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sample_ranges_and_masked_slots(variant, min_budget):
+    policy = make_policy(variant, min_budget=min_budget)
+    h, keys, scores, mask = make_inputs(n=40)
+    mask[5:, 3] = False
+    for greedy in (False, True):
+        out = sample(policy, (h, keys, scores, mask), greedy=greedy)
+        assert out.budgets.dtype == torch.long and out.budgets.shape == (40, Z)
+        present = out.budgets[mask]
+        assert present.min() >= min_budget and present.max() <= 7
+        for field in out:
+            assert not torch.isnan(field.float()).any()
+            assert (field[~mask] == 0).all()
+        assert out.log_prob.dtype == out.entropy.dtype == torch.float32
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_log_prob_reproduces_sample(variant, greedy):
+    policy = make_policy(variant)
+    inputs = make_inputs()
+    out = sample(policy, inputs, greedy=greedy)
+    log_prob, entropy = policy.log_prob(*inputs, out.budgets)
+    torch.testing.assert_close(log_prob, out.log_prob, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, out.entropy, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_masked_slots_do_not_leak(variant, value):
+    policy = make_policy(variant)
+    h, keys, scores, mask = make_inputs()
+    keys2, scores2 = garbage_at_masked(keys, scores, mask, seed=1, value=value)
+    a = sample(policy, (h, keys, scores, mask))
+    b = sample(policy, (h, keys2, scores2, mask))
+    assert torch.equal(a.budgets, b.budgets)
+    torch.testing.assert_close(a.log_prob, b.log_prob, atol=1e-6, rtol=0)
+    lp2, ent2 = policy.log_prob(h, keys2, scores2, mask, a.budgets)
+    torch.testing.assert_close(lp2, a.log_prob, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent2, a.entropy, atol=1e-6, rtol=0)
+    assert not torch.isnan(lp2).any() and not torch.isnan(ent2).any()
+    if variant in LEARNED_VARIANTS:
+        la = policy.logits(h, keys, scores, mask, prev_budgets=a.budgets)
+        lb = policy.logits(h, keys2, scores2, mask, prev_budgets=a.budgets)
+        torch.testing.assert_close(la[mask], lb[mask], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_all_masked_rows_give_zeros_and_finite_gradients(variant):
+    policy = make_policy(variant).train()
+    h, keys, scores, _ = make_inputs()
+    mask = torch.zeros(5, Z, dtype=torch.bool)
+    out = sample(policy, (h, keys, scores, mask))
+    for field in out:
+        assert (field == 0).all()
+    log_prob, entropy = policy.log_prob(h, keys, scores, mask, torch.zeros(5, Z, dtype=torch.long))
+    assert (log_prob == 0).all() and (entropy == 0).all()
+    if variant in LEARNED_VARIANTS:
+        (log_prob.sum() + entropy.sum()).backward()
+        assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_seeded_generator_is_deterministic(variant):
+    policy = make_policy(variant)
+    inputs = make_inputs(n=8)
+    a, b, c = sample(policy, inputs, seed=3), sample(policy, inputs, seed=3), sample(policy, inputs, seed=4)
+    assert torch.equal(a.budgets, b.budgets) and torch.equal(a.log_prob, b.log_prob)
+    if variant != "uniform":  # a point mass has nothing to vary
+        assert not torch.equal(a.budgets, c.budgets)
+
+
+@pytest.mark.parametrize("variant", ["transformer", "autoregressive", "mlp"])
+def test_greedy_is_argmax_of_logits(variant):
+    policy = make_policy(variant)
+    inputs = make_inputs()
+    mask = inputs[3]
+    out = sample(policy, inputs, greedy=True)
+    logits = policy.logits(*inputs, prev_budgets=out.budgets)
+    assert torch.equal(out.budgets[mask], logits.argmax(-1)[mask])
+    # and greedy ignores the generator
+    assert torch.equal(out.budgets, sample(policy, inputs, seed=9, greedy=True).budgets)
+
+
+@pytest.mark.parametrize("variant", ["transformer", "mlp"])
+def test_log_prob_matches_manual_softmax(variant):
+    policy = make_policy(variant, min_budget=1)
+    h, keys, scores, mask = make_inputs()
+    budgets = torch.where(mask, torch.randint(1, 8, mask.shape, generator=torch.Generator().manual_seed(5)), 0)
+    log_prob, entropy = policy.log_prob(h, keys, scores, mask, budgets)
+
+    logits = policy.logits(h, keys, scores, mask)
+    logp = torch.log_softmax(logits, -1)
+    want = logp.gather(-1, (budgets - 1).clamp_min(0)[..., None]).squeeze(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(log_prob, torch.where(mask, want, 0.0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, torch.where(mask, want_entropy, 0.0), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["transformer", "uniform"])
+def test_clip_budget_applies_in_greedy_mode_only(variant):
+    clip = 3
+    policy = make_policy(variant, clip_budget=clip)
+    unclipped = make_policy(variant)  # same seed: same weights
+    inputs = make_inputs(n=16)
+    mask = inputs[3]
+    greedy = sample(policy, inputs, greedy=True)
+    raw = sample(unclipped, inputs, greedy=True)
+    assert torch.equal(greedy.budgets, raw.budgets.clamp_max(clip))
+    torch.testing.assert_close(greedy.log_prob, raw.log_prob, atol=0, rtol=0)  # of the unclipped action
+    drawn = sample(policy, inputs)
+    assert (drawn.budgets[mask] > clip).any()
+    if variant == "uniform":
+        assert (raw.budgets[mask] == 7).all() and (greedy.budgets[mask] == clip).all()
+
+
+@pytest.mark.parametrize("variant", ["transformer", "autoregressive", "mlp"])
+def test_without_product_feature(variant):
+    policy = make_policy(variant, product_feature=False)
+    assert policy.input_proj.in_features == 2 * D + 1
+    assert make_policy(variant).input_proj.in_features == 3 * D + 1
+    inputs = make_inputs()
+    out = sample(policy, inputs)
+    log_prob, _ = policy.log_prob(*inputs, out.budgets)
+    torch.testing.assert_close(log_prob, out.log_prob, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["transformer", "autoregressive", "mlp"])
+def test_gradients_reach_every_parameter(variant):
+    policy = make_policy(variant).train()
+    inputs = make_inputs()
+    out = sample(policy, inputs)
+    log_prob, _ = policy.log_prob(*inputs, out.budgets)
+    log_prob.sum().backward()
+    for name, p in policy.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_float32_math_for_low_precision_inputs():
+    policy = make_policy("transformer")
+    h, keys, scores, mask = make_inputs()
+    low = [t.to(torch.bfloat16) for t in (h, keys, scores)]
+    out = sample(policy, (*low, mask))
+    assert out.log_prob.dtype == torch.float32
+    want = sample(policy, (*[t.float() for t in low], mask))
+    assert torch.equal(out.budgets, want.budgets) and torch.equal(out.log_prob, want.log_prob)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert policy.logits(h, keys, scores, mask).dtype == torch.float32
+
+
+def test_input_validation():
+    policy = make_policy("transformer")
+    h, keys, scores, mask = make_inputs()
+    good = torch.where(mask, 2, 0)
+    with pytest.raises(ValueError, match="0..7"):
+        policy.log_prob(h, keys, scores, mask, torch.where(mask, 8, 0))
+    with pytest.raises(ValueError):
+        policy.log_prob(h, keys, scores, mask, torch.where(mask, -1, 0))
+    policy.log_prob(h, keys, scores, mask, torch.where(mask, 2, 99))  # masked slots are not checked
+    with pytest.raises(ValueError):
+        make_policy("transformer", min_budget=1).log_prob(h, keys, scores, mask, torch.where(mask, 0, 0))
+    with pytest.raises(ValueError):
+        policy.log_prob(h, keys, scores, mask.long(), good)
+    with pytest.raises(ValueError):
+        policy.sample(h[:, :-1], keys, scores, mask)
+    with pytest.raises(ValueError, match="max_rank"):
+        make_policy("mlp", max_rank=Z - 1).sample(h, keys, scores, mask)
+    with pytest.raises(ValueError, match="prev_budgets"):
+        make_policy("autoregressive").logits(h, keys, scores, mask)
+
+
+# ------------------------------------------------------------------ variant-specific
+
+
+def test_autoregressive_is_causal():
+    policy = make_policy("autoregressive")
+    h, keys, scores, _ = make_inputs()
+    mask = torch.ones(5, Z, dtype=torch.bool)
+    budgets = torch.full((5, Z), 2)
+    changed = budgets.clone()
+    changed[:, 0] = 6
+    a = policy.logits(h, keys, scores, mask, prev_budgets=budgets)
+    b = policy.logits(h, keys, scores, mask, prev_budgets=changed)
+    torch.testing.assert_close(a[:, 0], b[:, 0], atol=1e-6, rtol=0)
+    assert ((a[:, 1:] - b[:, 1:]).abs().amax(-1) > 1e-4).all()
+    # a later decision never changes an earlier slot
+    later = budgets.clone()
+    later[:, 3] = 5
+    c = policy.logits(h, keys, scores, mask, prev_budgets=later)
+    torch.testing.assert_close(a[:, :4], c[:, :4], atol=1e-6, rtol=0)
+    assert ((a[:, 4:] - c[:, 4:]).abs().amax(-1) > 1e-4).all()
+
+
+def test_autoregressive_sequential_sampling_matches_teacher_forcing():
+    policy = make_policy("autoregressive", max_budget=20)
+    inputs = make_inputs(n=8, seed=2)
+    for seed in range(3):
+        out = sample(policy, inputs, seed=seed)
+        log_prob, _ = policy.log_prob(*inputs, out.budgets)
+        torch.testing.assert_close(log_prob, out.log_prob, atol=1e-6, rtol=0)
+
+
+def test_mlp_scores_each_slot_alone_but_transformer_compares():
+    h, keys, scores, _ = make_inputs()
+    mask = torch.ones(5, Z, dtype=torch.bool)
+    keys2, scores2 = keys.clone(), scores.clone()
+    keys2[:, 2] = F.normalize(torch.randn(5, D, generator=torch.Generator().manual_seed(7)), dim=-1)
+    scores2[:, 2] = -scores[:, 2]
+    others = [j for j in range(Z) if j != 2]
+    for variant, isolated in (("mlp", True), ("transformer", False)):
+        policy = make_policy(variant)
+        a = policy.logits(h, keys, scores, mask)
+        b = policy.logits(h, keys2, scores2, mask)
+        assert (a[:, 2] - b[:, 2]).abs().max() > 1e-4
+        same = torch.allclose(a[:, others], b[:, others], atol=1e-6, rtol=0)
+        assert same == isolated, variant
+
+
+@pytest.mark.parametrize("variant", FIXED_VARIANTS)
+def test_fixed_variants_have_no_parameters_and_constant_distributions(variant):
+    policy = make_policy(variant, uniform_budget=5)
+    assert list(policy.parameters()) == []
+    inputs = make_inputs()
+    mask = inputs[3]
+    out = sample(policy, inputs)
+    k = 8
+    if variant == "uniform":
+        assert (out.budgets[mask] == 5).all()
+        want_lp, want_ent = 0.0, 0.0
+    else:
+        want_lp, want_ent = -math.log(k), math.log(k)
+    assert torch.allclose(out.log_prob[mask], torch.full_like(out.log_prob[mask], want_lp), atol=1e-6)
+    assert torch.allclose(out.entropy[mask], torch.full_like(out.entropy[mask], want_ent), atol=1e-6)
+    # greedy changes nothing for random: a random allocation stays random at evaluation
+    if variant == "random":
+        g1, g2 = sample(policy, inputs, seed=1, greedy=True), sample(policy, inputs, seed=2, greedy=True)
+        assert not torch.equal(g1.budgets, g2.budgets)
+
+
+def test_uniform_defaults_to_max_budget():
+    out = sample(make_policy("uniform"), make_inputs())
+    mask = make_inputs()[3]
+    assert (out.budgets[mask] == 7).all()
+
+
+@pytest.mark.parametrize("min_budget", [0, 3])
+def test_random_is_uniform_over_budgets(min_budget):
+    policy = make_policy("random", min_budget=min_budget)
+    n = 400
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, D, generator=g)
+    keys = torch.randn(n, Z, D, generator=g)
+    mask = torch.ones(n, Z, dtype=torch.bool)
+    budgets = policy.sample(h, keys, torch.zeros(n, Z), mask, generator=g).budgets
+    k = 8 - min_budget
+    counts = torch.bincount(budgets.flatten() - min_budget, minlength=k).float()
+    assert counts.numel() == k
+    expected = n * Z / k
+    sigma = math.sqrt(expected * (1 - 1 / k))
+    assert (counts - expected).abs().max() < 5 * sigma

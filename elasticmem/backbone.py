@@ -291,6 +291,22 @@ def resolve_model_path(cfg: ModelConfig) -> str:
     return name
 
 
+def _four_bit_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
+    """QLoRA-style NF4 base weights with double quantization, computing in ``dtype``."""
+    try:
+        from transformers import BitsAndBytesConfig
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ImportError("model.load_in_4bit needs bitsandbytes: pip install 'elasticmem[gpu]'") from None
+    return {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        ),
+        "device_map": {"": device.index or 0},
+    }
+
+
 def _tokenizer_class(path: str):
     """AutoTokenizer, except for folders saved with the generic tokenizers backend.
 
@@ -312,6 +328,8 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
     """Load (or build) the model in eval mode on ``device`` with the configured dtype."""
     dev = torch.device(device) if device is not None else resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
+    if cfg.load_in_4bit and (dev.type != "cuda" or cfg.name_or_path == "tiny"):
+        raise ValueError("model.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
     if cfg.name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg.tiny, tokenizer)
@@ -320,10 +338,13 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
 
         path = resolve_model_path(cfg)
         kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+        model_kwargs = {}
+        if cfg.load_in_4bit:
+            model_kwargs = _four_bit_kwargs(dev, dtype)
         try:
             tokenizer = _tokenizer_class(path).from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+                path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs, **model_kwargs
             )
         except OSError as e:
             raise OSError(
@@ -334,7 +355,9 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
             ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = model.to(device=dev, dtype=dtype).eval()
+    if not cfg.load_in_4bit:  # a quantized model is placed by from_pretrained and cannot be cast
+        model = model.to(device=dev, dtype=dtype)
+    model = model.eval()
     model.requires_grad_(False)
     return Backbone(model=model, tokenizer=tokenizer, name_or_path=cfg.name_or_path)
 

@@ -237,7 +237,8 @@ class BudgetPolicy(nn.Module):
         """(log pi(b_j) [N, Z], entropy [N, Z]) of given budgets, with gradients; 0 at masked slots.
 
         Reproduces ``sample(...).log_prob`` for the sampled budgets when the module is
-        in the same mode (eval: no dropout). Budgets outside {min_budget..max_budget}
+        in the same mode (eval: no dropout); a sample drawn under ``torch.no_grad`` in eval
+        mode goes through PyTorch's fused encoder kernel and may differ by ~1e-7. Budgets outside {min_budget..max_budget}
         at present slots raise ValueError; under ``uniform`` any budget other than
         uniform_budget has log-prob -inf.
         """
@@ -264,7 +265,8 @@ class BudgetPolicy(nn.Module):
 
     def _to_classes(self, budgets: Tensor, mask: Tensor) -> Tensor:
         """Budgets [N, Z] -> class indices [N, Z] long (0 at masked slots); ValueError when out of range."""
-        _require(budgets.shape == mask.shape, f"budgets must be [N, Z] = {tuple(mask.shape)}, got {tuple(budgets.shape)}")
+        _require(budgets.shape == mask.shape,
+                 f"budgets must be [N, Z] = {tuple(mask.shape)}, got {tuple(budgets.shape)}")
         _require(not budgets.is_floating_point() and not budgets.is_complex(),
                  f"budgets must be an integer tensor, got {budgets.dtype}")
         present = budgets[mask]

@@ -143,6 +143,24 @@ def test_masked_slots_do_not_leak(variant, value):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_trailing_padding_equals_a_shorter_set(variant):
+    """Z=6 with slots 4, 5 absent computes what Z=4 computes: absent slots are invisible, not just constant."""
+    policy = make_policy(variant)
+    h, keys, scores, _ = make_inputs()
+    mask = torch.ones(5, Z, dtype=torch.bool)
+    mask[:, 4:] = False
+    budgets = torch.where(mask, torch.randint(0, 8, mask.shape, generator=torch.Generator().manual_seed(1)), 0)
+    long_lp, long_ent = policy.log_prob(h, keys, scores, mask, budgets)
+    short_lp, short_ent = policy.log_prob(h, keys[:, :4], scores[:, :4], mask[:, :4], budgets[:, :4])
+    torch.testing.assert_close(long_lp[:, :4], short_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(long_ent[:, :4], short_ent, atol=1e-6, rtol=0)
+    long_greedy = sample(policy, (h, keys, scores, mask), greedy=True)
+    short_greedy = sample(policy, (h, keys[:, :4], scores[:, :4], mask[:, :4]), greedy=True)
+    if variant != "random":
+        assert torch.equal(long_greedy.budgets[:, :4], short_greedy.budgets)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_all_masked_rows_give_zeros_and_finite_gradients(variant):
     policy = make_policy(variant).train()
     h, keys, scores, _ = make_inputs()

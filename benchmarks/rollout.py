@@ -1,0 +1,435 @@
+"""Rollout benchmark: batched GRPO sampling vs the reference code's one-trajectory-at-a-time loop.
+
+    python benchmarks/rollout.py                                  # tiny + smollm2, B=4 x G=4, 3 repeats
+    python benchmarks/rollout.py --models tiny --repeats 5        # quick (seconds)
+    python benchmarks/rollout.py --batch 2 --group 8 --out /tmp/rollout.json
+
+Prints, per model, trajectories/s of
+
+* **batched**: ``ElasticMem.sample(batch, group_size=G)``: B queries x G
+  trajectories in one call (one padded prompt forward per batch, KV cache
+  repeated G times for the control token, one batched retrieval, one policy
+  call, one projector call, one ``generate`` over B*G left-padded sequences);
+* **baseline**: a faithful re-implementation, in this file, of the reference
+  code's loop (ulab-uiuc/ElasticMem ``grpo_rollout``) with the SAME model parts,
+  so only the batching differs. For each query and each of its G trajectories
+  separately: forward the prompt (batch 1, no padding) -> control-token logits,
+  sample a, forward a on the prompt's KV cache -> h, top-Z retrieval for that
+  one query (``model._retrieve``), the budget policy on that one trajectory
+  (``model.policy.sample``), gather + project its caches (``model._soft_tokens``),
+  ``assemble`` one Layout, then decode ``max_new_tokens`` tokens by hand: one
+  forward over the whole embedding sequence with ``use_cache=True``, then one
+  token at a time on the KV cache (``model.base(input_ids=tok, cache=...)``),
+  sampling from softmax(logits) with ``torch.multinomial`` and stopping at EOS.
+
+and their ratio batched / baseline (goal >= 3x at B*G = 16 on CPU), next to
+absolute trajectories/s and the per-phase split (``Trajectories.timings`` for
+the batched path; the same three phases timed in the baseline: retrieval =
+text encoding + prompt/control forwards + top-Z, policy, generation = soft
+tokens + assembly + decoding).
+
+Inputs: the synthetic persona task (``elasticmem.data.synthetic.generate`` with
+``configs/quickstart.yaml``'s ``data.synthetic`` and seed) for both models.
+The B queries are the first example of each of the first B histories (one
+query per history, as a shuffled GRPO batch would have); a bank of those
+histories (``chunking``/``bank`` settings of the same preset, cache dtype
+float32) is built in-process with ``build_bank`` into a temp folder using the
+same backbone BEFORE ElasticMem wraps it with peft (in place). Model settings
+are ``MemoryConfig()`` defaults (the paper's: top_z 20, B_max 20, policy d_b 256,
+projector d_p 2560, LoRA r 16 on q/k/v/o) with max_new_tokens 5, unless a flag
+overrides them; weights of LoRA (B = 0 as peft initialises it), policy and
+projector are untrained, seeded. The model is in eval mode and everything runs
+under ``torch.no_grad()`` on CPU.
+
+Equivalence check (once, at the start, per model): the baseline in greedy mode
+(argmax control token, argmax budgets, argmax answer tokens) must give the same
+control token, retrieved rows, budgets and answer tokens as
+``model.greedy([ex])`` for ``--check`` examples; the script stops otherwise.
+
+Threads: ``--threads 1`` by default. On the shared 2-core machine this was
+written on, two intra-op threads competing with other jobs made every small op
+5-10x slower and run-to-run times swing 3x (OpenMP threads waiting for a core);
+one thread gives stable numbers. ``--threads 2`` (or 0, torch's choice) on an
+idle machine.
+
+Timing: one untimed warm-up of each path, then ``--repeats`` rounds, each
+timing one batched call and one baseline pass over the same B examples x G
+trajectories (the order alternates between rounds). Medians are reported; the
+ratio is median batched traj/s / median baseline traj/s. Budgets and answers
+are sampled, so sequence lengths differ between runs; the mean injected soft
+tokens and generated tokens per trajectory of each path are printed so the
+work can be compared.
+
+Choices that make the baseline a little faster than the reference code (so the
+ratio is, if anything, conservative): the answer-prefill forward computes
+logits for the last position only (``logits_to_keep=1``; the reference computes
+them for every position, ``--full-logits`` restores that), and no forward is run
+after the last answer token (the reference runs one). Like the brief, and unlike
+the reference (which extends the [prompt, a] KV cache with the memories and
+suffix), the answer prefill re-reads the whole sequence; the prompt is ~1-5% of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from elasticmem.backbone import load_backbone  # noqa: E402
+from elasticmem.bank import Bank, build_bank  # noqa: E402
+from elasticmem.config import LoraConfig, MemoryConfig, ModelConfig, load_config  # noqa: E402
+from elasticmem.data.synthetic import generate  # noqa: E402
+from elasticmem.model.budget_policy import BudgetPolicyConfig  # noqa: E402
+from elasticmem.model.elasticmem import ElasticMem  # noqa: E402
+from elasticmem.model.injection import Layout, assemble  # noqa: E402
+from elasticmem.model.projector import ProjectorConfig  # noqa: E402
+
+PHASES = ("retrieval", "policy", "generation")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# =========================================================================== setup
+
+
+def pick_examples(examples_by_split: dict[str, list], B: int) -> tuple[list, list]:
+    """The first example of each of the first B histories, and every example of those histories."""
+    first: dict[str, Any] = {}
+    for split in examples_by_split.values():
+        for ex in split:
+            first.setdefault(ex.group, ex)
+    groups = list(first)[:B]
+    if len(groups) < B:
+        raise SystemExit(f"the preset generates only {len(groups)} histories, fewer than --batch {B}")
+    keep = set(groups)
+    members = [ex for split in examples_by_split.values() for ex in split if ex.group in keep]
+    return [first[g] for g in groups], members
+
+
+def memory_config(args) -> MemoryConfig:
+    """MemoryConfig() defaults (the paper's settings) with the overrides given on the command line."""
+    d = MemoryConfig()
+    policy = dataclasses.replace(
+        d.policy, **{k: v for k, v in (("d_model", args.policy_d), ("max_budget", args.max_budget)) if v is not None}
+    )
+    projector = d.projector if args.projector_d is None else dataclasses.replace(d.projector, hidden_size=args.projector_d)
+    lora = d.lora if args.lora_r is None else dataclasses.replace(d.lora, r=args.lora_r, alpha=2 * args.lora_r)
+    top_z = d.top_z if args.top_z is None else args.top_z
+    assert isinstance(policy, BudgetPolicyConfig) and isinstance(projector, ProjectorConfig)
+    assert isinstance(lora, LoraConfig)
+    return dataclasses.replace(d, top_z=top_z, max_new_tokens=args.max_new_tokens, policy=policy,
+                               projector=projector, lora=lora)
+
+
+def setup(model_name: str, args, workdir: Path):
+    """Backbone -> bank (built before peft wraps the backbone) -> ElasticMem in eval mode."""
+    cfg = load_config(args.config)
+    mcfg = ModelConfig(name_or_path=model_name, device="cpu")
+    t = time.perf_counter()
+    try:
+        backbone = load_backbone(mcfg)
+    except FileNotFoundError as e:
+        log(f"[{model_name}] skipped: {e}")
+        return None
+    log(f"[{model_name}] backbone loaded in {time.perf_counter() - t:.1f} s "
+        f"(d={backbone.hidden_size}, {sum(p.numel() for p in backbone.model.parameters()) / 1e6:.1f}M params, "
+        f"{next(backbone.model.parameters()).dtype})")
+    examples = generate(cfg.data.synthetic, cfg.seed)
+    batch, members = pick_examples(examples, args.batch)
+    bank_dir = workdir / f"bank-{model_name}"
+    bank_cfg = dataclasses.replace(cfg.bank, dir=str(bank_dir), overwrite=True, verify=False)
+    t = time.perf_counter()
+    res = build_bank({"bench": members}, backbone, cfg.chunking, bank_cfg, torch.float32, show_progress=False)
+    log(f"[{model_name}] bank: {res.num_chunks} chunks in {res.num_groups} histories, n_cache={bank_cfg.n_cache}, "
+        f"built in {time.perf_counter() - t:.1f} s")
+    bank = Bank.open(bank_dir)
+    mem = memory_config(args)
+    torch.manual_seed(args.seed)
+    model = ElasticMem(backbone, mem, bank)  # wraps backbone.model with peft in place
+    if args.lora_std > 0:
+        with torch.no_grad():
+            for n, p in model.lm.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0, args.lora_std)
+    model.eval()
+    log(f"[{model_name}] ElasticMem: top_z={mem.top_z}, B_max={mem.policy.max_budget} "
+        f"(min {mem.policy.min_budget}), policy d_b={mem.policy.d_model} ({mem.policy.variant}), "
+        f"projector d_p={mem.projector.hidden_size}, LoRA r={mem.lora.r}, max_new_tokens={mem.max_new_tokens}, "
+        f"retrieval={mem.retrieval}")
+    return model, batch, res
+
+
+# =========================================================================== baseline
+
+
+class PhaseClock:
+    def __init__(self) -> None:
+        self.t = dict.fromkeys(PHASES, 0.0)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.t[phase] += seconds
+
+
+def baseline_trajectory(model: ElasticMem, prompt: list[int], suffix: list[int], group: str, greedy: bool,
+                        temperature: float, full_logits: bool, clock: PhaseClock) -> dict[str, Any]:
+    """One trajectory, batch size 1, no padding (the reference code's loop, with our model parts)."""
+    dev = model.device
+    t0 = time.perf_counter()
+    # 1. prompt -> control-token logits, sample a, forward a on the KV cache -> h
+    H, cache = model._forward_hidden(input_ids=torch.tensor([prompt], device=dev), use_cache=True)
+    logits = model._logits(H[:, -1])  # [1, V]
+    if greedy:
+        a = logits.argmax(-1, keepdim=True)
+    else:
+        a = torch.multinomial(torch.softmax(logits / model.cfg.control_temperature, -1), 1)  # [1, 1]
+    H_a, _ = model._forward_hidden(input_ids=a, cache=cache, use_cache=True)
+    h = H_a[:, -1].float()  # [1, d]
+    # 2. top-Z for this one query
+    rows, scores, mask = model._retrieve(h, [group])
+    t1 = time.perf_counter()
+    # 3. budgets for this one trajectory
+    bs = model.policy.sample(h, model._policy_inputs(h, rows), scores.to(dev), mask.to(dev), greedy=greedy)
+    budgets = bs.budgets.cpu()
+    t2 = time.perf_counter()
+    # 4-5. project, assemble the single sequence, decode by hand on the KV cache
+    soft, counts = model._soft_tokens(rows, budgets)
+    x = assemble(model.base.get_input_embeddings(), [Layout(prompt, int(a), soft[0], suffix, [])], model.sep_ids)
+    out = model.base(inputs_embeds=x.embeds, use_cache=True, logits_to_keep=0 if full_logits else 1)
+    cache = out.cache
+    eos = set(model.eos_ids)
+    tokens: list[int] = []
+    for step in range(model.cfg.max_new_tokens):
+        logits = out.logits[:, -1].float()  # [1, V]
+        if greedy:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1)  # [1, 1]
+        tok = int(nxt)
+        tokens.append(tok)
+        if tok in eos or step == model.cfg.max_new_tokens - 1:
+            break
+        out = model.base(input_ids=nxt, cache=cache, use_cache=True)
+        cache = out.cache
+    t3 = time.perf_counter()
+    clock.add("retrieval", t1 - t0)
+    clock.add("policy", t2 - t1)
+    clock.add("generation", t3 - t2)
+    return {"control": int(a), "rows": rows[0], "budgets": budgets[0], "answer": tokens,
+            "memory_tokens": int(counts.sum())}
+
+
+def run_baseline(model: ElasticMem, batch: Sequence, G: int, temperature: float, full_logits: bool,
+                 greedy: bool = False) -> tuple[float, dict[str, float], list[dict[str, Any]]]:
+    clock = PhaseClock()
+    t = time.perf_counter()
+    out = []
+    for ex in batch:
+        t0 = time.perf_counter()
+        prompt, suffix = model.encode_texts(ex)
+        clock.add("retrieval", time.perf_counter() - t0)
+        for _ in range(G):
+            out.append(baseline_trajectory(model, prompt, suffix, ex.group, greedy, temperature, full_logits, clock))
+    return time.perf_counter() - t, clock.t, out
+
+
+def run_batched(model: ElasticMem, batch: Sequence, G: int, temperature: float):
+    t = time.perf_counter()
+    traj = model.sample(batch, group_size=G, temperature=temperature)
+    return time.perf_counter() - t, dict(traj.timings), traj
+
+
+# =========================================================================== check
+
+
+def check_equivalence(model: ElasticMem, batch: Sequence, n: int, full_logits: bool) -> int:
+    """Greedy baseline == model.greedy([ex]): control token, rows, budgets, answer tokens."""
+    checked = 0
+    for ex in batch[:n]:
+        ref = model.greedy([ex])
+        _, _, (mine,) = run_baseline(model, [ex], 1, 1.0, full_logits, greedy=True)
+        m = ref.answer_mask[0]
+        ref_answer = ref.answer_ids[0][m].tolist()
+        assert mine["control"] == int(ref.control[0]), (ex.id, "control token", mine["control"], int(ref.control[0]))
+        assert torch.equal(mine["rows"], ref.rows[0]), (ex.id, "retrieved rows")
+        assert torch.equal(mine["budgets"], ref.budgets[0]), (ex.id, "budgets")
+        assert mine["answer"] == ref_answer, (ex.id, "answer tokens", mine["answer"], ref_answer)
+        assert mine["memory_tokens"] == int(ref.memory_tokens[0]), (ex.id, "soft tokens")
+        checked += 1
+    return checked
+
+
+# =========================================================================== benchmark
+
+
+def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
+    made = setup(model_name, args, workdir)
+    if made is None:
+        return None
+    model, batch, bank_res = made
+    B, G, temp = args.batch, args.group, args.temperature
+    N = B * G
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "top_z larger than a group" is reported below instead
+        n_ok = check_equivalence(model, batch, args.check, args.full_logits)
+        log(f"[{model_name}] check passed: greedy baseline == model.greedy([ex]) on {n_ok} example(s) "
+            f"(control token, rows, budgets, answer tokens)")
+        torch.manual_seed(args.seed)
+        t_w1, _, traj = run_batched(model, batch, G, temp)
+        t_w2, _, _ = run_baseline(model, batch, G, temp, args.full_logits)
+        missing = int((~traj.mask).sum())
+        log(f"[{model_name}] warm-up: batched {t_w1:.2f} s, baseline {t_w2:.2f} s"
+            + (f"; {missing} of {traj.mask.numel()} retrieval slots empty (groups smaller than top_z)"
+               if missing else ""))
+        repeats = args.tiny_repeats if model_name == "tiny" else args.repeats
+        rb: list[dict[str, Any]] = []
+        rl: list[dict[str, Any]] = []
+        for r in range(repeats):
+            order = ("batched", "baseline") if r % 2 == 0 else ("baseline", "batched")
+            for which in order:
+                torch.manual_seed(args.seed + 1000 + r)
+                if which == "batched":
+                    s, ph, tr = run_batched(model, batch, G, temp)
+                    rb.append({"seconds": s, "phases": ph,
+                               "memory_tokens": float(tr.memory_tokens.float().mean()),
+                               "answer_tokens": float(tr.answer_mask.sum(-1).float().mean()),
+                               "gen_steps": int(tr.answer_ids.shape[1])})
+                else:
+                    s, ph, outs = run_baseline(model, batch, G, temp, args.full_logits)
+                    rl.append({"seconds": s, "phases": ph,
+                               "memory_tokens": statistics.mean(o["memory_tokens"] for o in outs),
+                               "answer_tokens": statistics.mean(len(o["answer"]) for o in outs)})
+            log(f"[{model_name}] round {r + 1}/{repeats}: batched {rb[-1]['seconds']:.3f} s "
+                f"({N / rb[-1]['seconds']:.2f} traj/s), baseline {rl[-1]['seconds']:.3f} s "
+                f"({N / rl[-1]['seconds']:.2f} traj/s)")
+
+    def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        sec = med([x["seconds"] for x in runs])
+        return {
+            "seconds": sec,
+            "traj_per_s": N / sec,
+            "seconds_all": [x["seconds"] for x in runs],
+            "phases": {p: med([x["phases"][p] for x in runs]) for p in PHASES},
+            "memory_tokens_per_traj": med([x["memory_tokens"] for x in runs]),
+            "answer_tokens_per_traj": med([x["answer_tokens"] for x in runs]),
+        }
+
+    bat, base = summary(rb), summary(rl)
+    d = model.cfg
+    return {
+        "model": model_name,
+        "B": B, "G": G, "trajectories": N, "repeats": repeats,
+        "settings": {"top_z": d.top_z, "max_budget": d.policy.max_budget, "policy_d_model": d.policy.d_model,
+                     "projector_d": d.projector.hidden_size, "lora_r": d.lora.r,
+                     "max_new_tokens": d.max_new_tokens, "temperature": temp, "full_logits": args.full_logits,
+                     "lora_std": args.lora_std},
+        "bank_chunks": bank_res.num_chunks,
+        "prompt_tokens": [len(model.encode_texts(ex)[0]) for ex in batch],
+        "suffix_tokens": [len(model.encode_texts(ex)[1]) for ex in batch],
+        "batched": bat,
+        "baseline": base,
+        "ratio": bat["traj_per_s"] / base["traj_per_s"],
+    }
+
+
+def print_table(results: list[dict[str, Any]], goal: float) -> None:
+    if not results:
+        log("no results")
+        return
+    log("")
+    log("=" * 118)
+    hdr = (f"{'model':<8} {'BxG':>5} {'path':<9} {'s/rollout':>10} {'traj/s':>8} "
+           f"{'retrieval s':>12} {'policy s':>9} {'generation s':>13} {'soft tok/traj':>14} {'ans tok/traj':>13}"
+           f" {'ratio':>7}")
+    log(hdr)
+    log("-" * 118)
+    for r in results:
+        for path in ("batched", "baseline"):
+            x = r[path]
+            ph = x["phases"]
+            ratio = f"{r['ratio']:.2f}x" if path == "batched" else ""
+            log(f"{r['model']:<8} {r['B']}x{r['G']:<3} {path:<9} {x['seconds']:>10.3f} {x['traj_per_s']:>8.2f} "
+                f"{ph['retrieval']:>12.3f} {ph['policy']:>9.3f} {ph['generation']:>13.3f} "
+                f"{x['memory_tokens_per_traj']:>14.1f} {x['answer_tokens_per_traj']:>13.2f} {ratio:>7}")
+    log("-" * 118)
+    for r in results:
+        ok = "meets" if r["ratio"] >= goal else "below"
+        log(f"{r['model']}: batched/baseline = {r['ratio']:.2f}x at B*G={r['trajectories']} ({ok} the {goal:g}x goal); "
+            f"medians of {r['repeats']} rounds")
+    log("phases: retrieval = text encoding + prompt/control forwards + top-Z; policy = budget policy; "
+        "generation = soft tokens + assembly + answer decoding (batched: Trajectories.timings)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    p.add_argument("--batch", type=int, default=4, help="B: queries per rollout batch")
+    p.add_argument("--group", type=int, default=4, help="G: trajectories per query")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per model (SmolLM2)")
+    p.add_argument("--tiny-repeats", type=int, default=10, help="timed rounds for the tiny model (fast)")
+    p.add_argument("--check", type=int, default=2, help="examples in the greedy equivalence check")
+    p.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"),
+                   help="preset whose data.synthetic, chunking and bank settings are used")
+    p.add_argument("--top-z", type=int, default=None, help="override MemoryConfig().top_z (20)")
+    p.add_argument("--max-budget", type=int, default=None, help="override B_max (20)")
+    p.add_argument("--policy-d", type=int, default=None, help="override the policy width d_b (256)")
+    p.add_argument("--projector-d", type=int, default=None, help="override the projector width d_p (2560)")
+    p.add_argument("--lora-r", type=int, default=None, help="override the LoRA rank (16; alpha = 2r)")
+    p.add_argument("--lora-std", type=float, default=0.0,
+                   help="if > 0, draw LoRA weights from N(0, std) instead of peft's init (B = 0)")
+    p.add_argument("--max-new-tokens", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=1.0, help="answer sampling temperature")
+    p.add_argument("--full-logits", action="store_true",
+                   help="baseline prefill computes logits at every position, as the reference code does")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0 = torch's choice (see the module docstring)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goal", type=float, default=3.0)
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log(f"rollout benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; B={args.batch}, G={args.group}")
+    workdir = Path(tempfile.mkdtemp(prefix="elasticmem-rollout-bench-"))
+    results = []
+    try:
+        for name in args.models:
+            r = bench_model(name, args, workdir)
+            if r is not None:
+                results.append(r)
+                log(f"[{name}] ratio {r['ratio']:.2f}x")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(results, args.goal)
+    if args.out:
+        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                "argv": sys.argv[1:], "load_avg": os.getloadavg()}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

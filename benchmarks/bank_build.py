@@ -49,7 +49,13 @@ absolute numbers. Nothing is hard-coded.
    batch of all queries (one ``search`` call), median of ``--search-repeats``
    after one warm-up call. Index build time is one measurement.
 
-A summary table is printed at the end; ``--out PATH`` also writes it as JSON.
+The machine may be shared: before every timed run the script waits (up to
+``--quiet-wait`` s) until other processes leave the CPUs mostly idle, and it
+reports each run's CPU share (process CPU s / (wall s x torch threads)) so
+runs slowed by other load can be told apart.
+
+A summary table is printed at the end; ``--out PATH`` also writes it as JSON
+(rewritten after each section, so a partial run leaves its results).
 """
 
 from __future__ import annotations
@@ -90,6 +96,47 @@ def log(msg: str) -> None:
 
 def med(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_busy_idle() -> tuple[int, int]:
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f[:8]) - idle, idle
+
+
+QUIET = {"max_wait_s": 0.0, "threshold": 0.25, "waited_s": 0.0, "gave_up": 0}
+
+
+def wait_quiet() -> float:
+    """Before a timed run: wait (up to --quiet-wait s) until the machine's CPUs are mostly idle
+    (this process is idle here, so busy time is someone else's). Returns seconds waited."""
+    if QUIET["max_wait_s"] <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    while True:
+        b0, i0 = _cpu_busy_idle()
+        c0 = cpu_seconds()
+        time.sleep(0.5)
+        b1, i1 = _cpu_busy_idle()
+        own = (cpu_seconds() - c0) * os.sysconf("SC_CLK_TCK")  # our own leftover spinning threads
+        busy = max(0.0, (b1 - b0) - own) / max(1, (b1 - b0) + (i1 - i0))
+        waited = time.perf_counter() - t0
+        if busy <= QUIET["threshold"]:
+            break
+        if waited >= QUIET["max_wait_s"]:
+            QUIET["gave_up"] += 1
+            log(f"  (machine still {100 * busy:.0f}% busy after {waited:.0f} s of waiting; measuring anyway)")
+            break
+        time.sleep(2.0)
+    QUIET["waited_s"] += waited
+    return waited
 
 
 def sync(device: torch.device) -> None:
@@ -225,25 +272,30 @@ def ceiling_batches(plan, pad_id: int, batch_size: int, device: torch.device):
     return out
 
 
-def run_ceiling(decoder, batches, device) -> float:
+def run_ceiling(decoder, batches, device) -> tuple[float, float]:
+    """Seconds, and this process's CPU seconds / (wall * torch threads) (< 1: it did not get the cores)."""
+    wait_quiet()
     sync(device)
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     with torch.inference_mode():
         for ids, mask in batches:
             decoder(input_ids=ids, attention_mask=mask, use_cache=False)
     sync(device)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return wall, (cpu_seconds() - c0) / (wall * torch.get_num_threads())
 
 
 def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix="bankbench-", dir=workdir))
+    wait_quiet()
     bank_cfg = dataclasses.replace(cfg.bank, dir=str(tmp / "bank"), overwrite=False)
     device = backbone.device
     sync(device)
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     res = B.build_bank(examples, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)
     sync(device)
     wall = time.perf_counter() - t0
+    res.cpu_share = (cpu_seconds() - c0) / (wall * torch.get_num_threads())
     if res.status != "built":
         raise RuntimeError(f"expected a fresh build, got {res.status!r}")
     if not keep:
@@ -283,10 +335,10 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
     # warm-up (untimed for the medians; the first build also hashes the weights for the fingerprint)
     with timer.active(patch_builder=True):
         warm_build, _, _ = run_builder(examples, backbone, cfg, timed_dtype, workdir)
-    warm_ceiling = run_ceiling(decoder, batches, device)
+    warm_ceiling, _ = run_ceiling(decoder, batches, device)
     log(f"[build] {model_name}: warm-up builder {warm_build:.2f} s (incl. fingerprint), ceiling {warm_ceiling:.2f} s")
 
-    builder_s, ceiling_s, phases, internal_s = [], [], [], []
+    builder_s, ceiling_s, phases, internal_s, cpu_b, cpu_c = [], [], [], [], [], []
     kept_bank: Path | None = None
     for r in range(args.repeats):
         keep = r == args.repeats - 1
@@ -295,12 +347,15 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         phases.append(dict(timer.t))
         builder_s.append(wall)
         internal_s.append(res.seconds)
+        cpu_b.append(res.cpu_share)
         if kept is not None:
             kept_bank = kept
-        c = run_ceiling(decoder, batches, device)  # no hooks, no wrappers
+        c, cs = run_ceiling(decoder, batches, device)  # no hooks, no wrappers
         ceiling_s.append(c)
+        cpu_c.append(cs)
         log(f"[build] {model_name}: repeat {r + 1}/{args.repeats}: builder {wall:.2f} s "
-            f"({n_chunks / wall:.1f} chunks/s), ceiling {c:.2f} s ({n_chunks / c:.1f} chunks/s)")
+            f"({n_chunks / wall:.1f} chunks/s, cpu {100 * res.cpu_share:.0f}%), ceiling {c:.2f} s "
+            f"({n_chunks / c:.1f} chunks/s, cpu {100 * cs:.0f}%)  load {os.getloadavg()[0]:.1f}")
 
     d, n_cache = backbone.hidden_size, cfg.bank.n_cache
     bytes_timed = bytes_breakdown(kept_bank / "bank", n_chunks, n_cache, d, timed_dtype)
@@ -342,6 +397,8 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         "builder_s": builder_s,
         "builder_internal_s": internal_s,
         "ceiling_s": ceiling_s,
+        "builder_cpu_share": cpu_b,
+        "ceiling_cpu_share": cpu_c,
         "builder_median_s": bm,
         "ceiling_median_s": cm,
         "builder_chunks_per_s": n_chunks / bm,
@@ -423,16 +480,19 @@ class RamTorch:
 
 
 def time_search(index, queries: torch.Tensor, k: int, repeats: int):
+    wait_quiet()
     t0 = time.perf_counter()
     out = index.search(queries, k)
     first = time.perf_counter() - t0
     times = []
+    c0 = cpu_seconds()
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = index.search(queries, k)
         times.append(time.perf_counter() - t0)
+    share = (cpu_seconds() - c0) / (sum(times) * torch.get_num_threads())
     rows = out.rows if hasattr(out, "rows") else out[1]
-    return rows, first, times
+    return rows, first, times, share
 
 
 def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
@@ -455,7 +515,8 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
         def record(name, params, build_s, index, note=""):
             row = {"size": n, "index": name, "params": params, "build_s": build_s, "note": note}
             for qs, q in queries.items():
-                rows, first, times = time_search(index, q, k, args.search_repeats)
+                rows, first, times, share = time_search(index, q, k, args.search_repeats)
+                row[f"{qs}_cpu_share"] = share
                 ms = med(times) * 1000 * 1000 / nq  # ms per 1000 queries
                 if name == "torch":
                     exact[qs], base_ms[qs] = rows.clone(), ms
@@ -470,7 +531,8 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
             log(f"[search] n={n} {name:9s} {json.dumps(params):24s} build {build_s:7.2f} s | "
                 + " | ".join(f"{qs} {row[f'{qs}_ms_per_1000q']:9.1f} ms/1000q x{row[f'{qs}_ratio_to_torch']:.3f} "
                              f"R@{k} {row[f'{qs}_recall@{k}']:.3f}" for qs in queries)
-                + f" | self@{k} {row[f'noisy_self@{k}']:.3f}")
+                + f" | self@{k} {row[f'noisy_self@{k}']:.3f} | cpu {100 * row['gauss_cpu_share']:.0f}% "
+                f"load {os.getloadavg()[0]:.1f}")
 
         # torch exact: the baseline (keys memory-mapped; gathered from the shards at every call)
         t0 = time.perf_counter()
@@ -552,6 +614,10 @@ def summary_text(report: dict[str, Any], k: int) -> str:
                 f"{b['ceiling_chunks_per_s']:9.1f} {b['ratio_builder_over_ceiling']:6.3f} "
                 f"{b['ratio_best_over_best']:6.3f} {100 * b['forward_share_median']:5.1f}%  "
                 f"{' '.join(f'{x:.2f}' for x in b['builder_s'])} / {' '.join(f'{x:.2f}' for x in b['ceiling_s'])}")
+            lines.append(f"{'':8s} cpu share per run (process CPU s / (wall s * {report['env']['torch_threads']} threads); "
+                         f"well below 100% = other load on the machine): builder "
+                         f"{' '.join(f'{100 * x:.0f}%' for x in b['builder_cpu_share'])} / ceiling "
+                         f"{' '.join(f'{100 * x:.0f}%' for x in b['ceiling_cpu_share'])}")
         lines.append(f"{'':8s} (ratio = builder chunks/s / ceiling chunks/s from medians; best = from the fastest run "
                      f"of each; fwd% = share of a builder run spent in decoder forwards, median)")
         lines.append("")
@@ -595,20 +661,27 @@ def summary_text(report: dict[str, Any], k: int) -> str:
                      f"ms per 1000 queries = median of {s0['search_repeats']} calls after 1 warm-up; "
                      f"ratio = ms / torch ms; R@{k} vs torch exact; gauss = random queries, "
                      f"noisy = stored key + noise of norm {s0['noise']}; self@{k} = source key found")
-        lines.append(f"{'size':>8s} {'index':9s} {'params':30s} {'build s':>8s} | {'gauss ms':>9s} {'ratio':>6s} "
-                     f"{'R@k':>6s} | {'noisy ms':>9s} {'ratio':>6s} {'R@k':>6s} {'self@k':>6s}")
+        lines.append(f"{'size':>8s} {'index':9s} {'params':42s} {'build s':>8s} | {'gauss ms':>9s} {'ratio':>6s} "
+                     f"{'R@k':>6s} | {'noisy ms':>9s} {'ratio':>6s} {'R@k':>6s} {'self@k':>6s} | {'cpu':>4s}")
         for r in search:
             if r.get("skipped"):
                 lines.append(f"{r['size']:8d} {r['index']:9s} skipped: {r['skipped']}")
                 continue
             params = ",".join(f"{a}={v}" for a, v in r["params"].items()) or "-"
             lines.append(
-                f"{r['size']:8d} {r['index']:9s} {params:30s} {r['build_s']:8.2f} | "
+                f"{r['size']:8d} {r['index']:9s} {params:42s} {r['build_s']:8.2f} | "
                 f"{r['gauss_ms_per_1000q']:9.1f} {r['gauss_ratio_to_torch']:6.3f} {r[f'gauss_recall@{k}']:6.3f} | "
                 f"{r['noisy_ms_per_1000q']:9.1f} {r['noisy_ratio_to_torch']:6.3f} {r[f'noisy_recall@{k}']:6.3f} "
-                f"{r[f'noisy_self@{k}']:6.3f}")
+                f"{r[f'noisy_self@{k}']:6.3f} | {100 * r['gauss_cpu_share']:3.0f}%")
+        lines.append(f"{'':8s} (cpu = process CPU share during the timed gauss calls; "
+                     f"well below 100% = other load on the machine)")
         lines.append(f"{'':8s} (torch-ram: reference only, TorchIndex's matmul+topk on keys held contiguous in RAM; "
                      f"build s = the one-time concatenation)")
+    q = report.get("quiet_wait")
+    if q:
+        lines.append(f"waited {q['total_waited_s']:.0f} s in total for idle CPUs before timed runs "
+                     f"(up to {q['max_wait_s_per_run']:.0f} s each); {q['runs_measured_while_busy']} run(s) "
+                     f"measured while the machine was busy anyway")
     lines.append("=" * 100)
     return "\n".join(lines)
 
@@ -638,10 +711,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search-repeats", type=int, default=3)
     p.add_argument("--shard-rows", type=int, default=0, help="rows per shard of the key banks (0 = bank.shard_rows)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet-wait", type=float, default=120.0,
+                   help="before each timed run wait up to this many seconds for the CPUs to be idle "
+                        "(others' load distorts timings on shared machines); 0 = do not wait")
+    p.add_argument("--quiet-threshold", type=float, default=0.25,
+                   help="'idle' = at most this share of all CPU time busy over 0.5 s")
     p.add_argument("--workdir", default=None, help="where temp banks go (default: the system temp dir)")
     p.add_argument("--out", default=None, help="also write the summary as JSON here")
     args = p.parse_args(argv)
 
+    QUIET["max_wait_s"], QUIET["threshold"] = args.quiet_wait, args.quiet_threshold
     workdir = Path(args.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -664,6 +743,11 @@ def main(argv: list[str] | None = None) -> int:
     }}
     t_start = time.perf_counter()
 
+    def save_partial():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({**report, "partial": True}, indent=1, default=str))
+
     if not args.skip_build:
         cfg, examples, n_chunks, n_groups = load_corpus(args.config, args.max_chunks)
         log(f"[build] corpus: {args.config} synthetic {cfg.data.synthetic.variant}, splits {list(examples)}, "
@@ -674,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.models:
             r = bench_builder(m, args, cfg, examples, n_chunks, workdir)
             report["builder"].append(r)
+            save_partial()
 
     if not args.skip_search:
         from elasticmem.config import BankConfig
@@ -688,8 +773,11 @@ def main(argv: list[str] | None = None) -> int:
         report["search"] = []
         for n in args.sizes:
             report["search"].extend(bench_search(n, args, workdir))
+            save_partial()
 
     report["total_s"] = time.perf_counter() - t_start
+    report["quiet_wait"] = {"max_wait_s_per_run": QUIET["max_wait_s"], "threshold": QUIET["threshold"],
+                            "total_waited_s": QUIET["waited_s"], "runs_measured_while_busy": QUIET["gave_up"]}
     text = summary_text(report, args.k)
     report["summary_text"] = text
     print(text)

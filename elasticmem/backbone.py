@@ -85,20 +85,21 @@ def _tiny_words() -> list[str]:
     return ["User", "Assistant", "user", "assistant", "system", *VOCABULARY]
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(char_fallback: bool = True):
     """A small word-piece tokenizer: task words, then single characters as fallback.
 
     Newlines are real tokens (the separator between injected memories is the
-    embedding of "\\n"); spaces are dropped. Any ASCII text tokenizes without
-    <unk>: an unknown word falls back to characters.
+    embedding of "\\n"); spaces are dropped. With ``char_fallback`` any ASCII text
+    tokenizes without <unk> (an unknown word falls back to characters); without
+    it the vocabulary is the task words and punctuation only.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = list(string.ascii_letters + string.digits + string.punctuation)
+    chars = list(string.ascii_letters + string.digits + string.punctuation) if char_fallback else []
     vocab: dict[str, int] = {}
-    for tok in [*specials, "\n", *_tiny_words(), *chars, *("##" + c for c in chars)]:
+    for tok in [*specials, "\n", *_tiny_words(), *string.punctuation, *chars, *("##" + c for c in chars)]:
         vocab.setdefault(tok, len(vocab))
     tk = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", max_input_chars_per_word=100))
     tk.pre_tokenizer = pre_tokenizers.Sequence(
@@ -331,7 +332,7 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
     if cfg.load_in_4bit and (dev.type != "cuda" or cfg.name_or_path == "tiny"):
         raise ValueError("model.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
     if cfg.name_or_path == "tiny":
-        tokenizer = build_tiny_tokenizer()
+        tokenizer = build_tiny_tokenizer(cfg.tiny.char_fallback)
         model = build_tiny_model(cfg.tiny, tokenizer)
     else:
         from transformers import AutoModelForCausalLM

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elasticmem.data.synthetic import SyntheticConfig
+from elasticmem.grpo.loss import LossConfig
 from elasticmem.model.budget_policy import BudgetPolicyConfig
 from elasticmem.model.projector import ProjectorConfig
 from elasticmem.utils import configuration
@@ -38,6 +39,10 @@ class TinyModelConfig:
     """Longest sequence the rotary embedding is set up for."""
     seed: int = 0
     """Seed of the random weights: the same seed gives the same model and fingerprint."""
+    char_fallback: bool = True
+    """Tokenizer vocabulary: task words plus single characters (any ASCII text tokenizes), or,
+    when false, task words and punctuation only (~50 tokens; other words become <unk>). A small
+    vocabulary makes an option letter likely under a random model, which RL needs to start."""
 
 
 @dataclass
@@ -193,6 +198,76 @@ class MemoryConfig:
 
 
 @dataclass
+class TrainConfig:
+    """GRPO training (train.py): rollout -> reward -> advantage -> loss -> step -> log -> checkpoint."""
+
+    output_dir: str = "runs/train/default"
+    """Run folder: config.yaml, metrics.jsonl, rollouts.jsonl, checkpoints/, final/."""
+    split: str = "train"
+    """Split the queries are drawn from."""
+    epochs: float = 10.0
+    """Passes over the training queries (paper: 10); ignored when max_steps > 0."""
+    max_steps: int = 0
+    """Rollout steps to run; 0 = derived from epochs."""
+    batch_size: int = 4
+    """Queries per rollout step per process (B); each gets group_size trajectories."""
+    group_size: int = 4
+    """G: trajectories per query (paper: 4)."""
+    micro_batch_size: int = 8
+    """Trajectories per scoring forward/backward; gradients are accumulated over a step."""
+    num_iterations: int = 1
+    """Optimizer steps per rollout batch, reusing its old log-probs (reference code: 2)."""
+    temperature: float = 1.0
+    """Answer sampling temperature during rollouts."""
+    lr: float = 2e-5
+    """AdamW learning rate of the LoRA adapter (and of the other parts unless set below)."""
+    lr_policy: float | None = None
+    """Learning rate of the budget policy; null = lr."""
+    lr_projector: float | None = None
+    """Learning rate of the projector; null = lr."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps before the cosine decay."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    reward: str = "mc_letter"
+    """Reward function: 'mc_letter' (option letter match) or 'snapped_action' (ALFWorld)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Advantages and the clipped objective."""
+    use_memory: bool = True
+    """False trains the reasoner with nothing retrieved (top_z = 0): the no-memory control."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N rollout steps."""
+    log_rollouts: int = 2
+    """Sample rollouts written as text to rollouts.jsonl per log step."""
+    save_every: int = 50
+    """Checkpoint every N rollout steps (and at the end, and on Ctrl-C / SIGTERM)."""
+    keep_last: int = 3
+    """Checkpoints kept (older ones are deleted)."""
+    resume: bool = True
+    """Continue from the newest checkpoint in output_dir/checkpoints when there is one."""
+    eval_split: str = "val"
+    """Split for the greedy evaluation at the end ('' = none)."""
+    eval_every: int = 0
+    """Also evaluate every N rollout steps (0 = only at the end)."""
+    eval_limit: int = 0
+    """Evaluate on at most this many examples (0 = all)."""
+    eval_batch_size: int = 16
+    """Queries per greedy evaluation batch."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """accelerate mixed precision: auto = bf16 on CUDA, none on CPU."""
+    trackers: list[str] = field(default_factory=list)
+    """Extra accelerate trackers, e.g. [tensorboard] or [wandb] (metrics.jsonl is always written)."""
+    replay_rollouts: str | None = None
+    """Folder of recorded rollouts to train on instead of sampling (tests, debugging); see record_rollouts."""
+    record_rollouts: str | None = None
+    """Write every rollout batch to this folder (per process) so a run can be replayed exactly."""
+
+
+@dataclass
 class Config:
     """Top level: one file configures preparation, bank building, training and evaluation."""
 
@@ -208,6 +283,8 @@ class Config:
     """The latent memory bank."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The ElasticMem model."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """GRPO training."""
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -32,7 +32,7 @@ import contextlib
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -43,7 +43,7 @@ from elasticmem.bank.index import KeyIndex, build_index
 from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
-from elasticmem.model.budget_policy import BudgetPolicy
+from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
 from elasticmem.model.injection import Layout, assemble
 from elasticmem.model.projector import Projector, select_last_valid
 
@@ -97,6 +97,44 @@ class Trajectories:
     memory_tokens: torch.Tensor
     """[N] injected soft tokens, sum_j soft_counts (B_mem as injected)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of the batch's phases: 'retrieval' (prompt encoding, query states, search), 'policy'
+    (budget allocation), 'generation' (projection, injection, decoding)."""
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    def select(self, idx: Sequence[int] | torch.Tensor) -> "Trajectories":
+        """The trajectories at ``idx`` (every per-trajectory field sliced, the rest kept)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        n, out = len(self), {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+                out[f.name] = v[idx_t]
+            elif isinstance(v, list) and len(v) == n:
+                out[f.name] = [v[i] for i in idx_t.tolist()]
+            else:
+                out[f.name] = v
+        return Trajectories(**out)
+
+    @staticmethod
+    def concat(parts: Sequence["Trajectories"]) -> "Trajectories":
+        """Join trajectory batches (same Z); answers are right-padded to the longest."""
+        T = max(p.answer_ids.shape[1] for p in parts)
+        out = {}
+        for f in fields(Trajectories):
+            vals = [getattr(p, f.name) for p in parts]
+            if isinstance(vals[0], torch.Tensor) and vals[0].dim() > 0:
+                if f.name in ("answer_ids", "answer_mask", "logp_answer"):
+                    vals = [torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in vals]
+                out[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            else:
+                out[f.name] = vals[0]
+        offsets = torch.tensor([0] + [int(p.query_index.max()) + 1 for p in parts[:-1]]).cumsum(0)
+        out["query_index"] = torch.cat([p.query_index + o for p, o in zip(parts, offsets)])
+        return Trajectories(**out)
 
 
 @dataclass
@@ -245,6 +283,9 @@ class ElasticMem(nn.Module):
 
     def _retrieve(self, h: torch.Tensor, groups: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         Z = self.cfg.top_z
+        if Z == 0:  # the no-memory control: nothing retrieved, nothing injected
+            empty = torch.zeros(len(groups), 0)
+            return empty.long(), empty, empty.bool()
         if self.semantic is not None:
             res = self.semantic.search(h, Z, groups)
         else:
@@ -256,6 +297,16 @@ class ElasticMem(nn.Module):
                             f"(e.g. {small[0]!r}); using the chunks that exist (missing slots are masked)")
         scores = torch.where(mask, res.scores, torch.zeros_like(res.scores))
         return res.rows, scores, mask
+
+    def _allocate(self, h, rows, scores, mask, greedy: bool, budgets: torch.Tensor | None = None):
+        """Sample budgets (``budgets`` None) or score given ones; Z = 0 gives empty results."""
+        if rows.shape[1] == 0:
+            empty = torch.zeros(rows.shape[0], 0, device=self.device)
+            return BudgetSample(empty.long(), empty, empty) if budgets is None else (empty, empty)
+        args = (h, self._policy_inputs(h, rows), scores.to(self.device), mask.to(self.device))
+        if budgets is None:
+            return self.policy.sample(*args, greedy=greedy)
+        return self.policy.log_prob(*args, budgets.to(self.device))
 
     def _policy_inputs(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         keys = self.semantic.gather_keys(rows) if self.semantic is not None else self.bank.gather_keys(rows)
@@ -304,8 +355,7 @@ class ElasticMem(nn.Module):
         rows, scores, mask = self._retrieve(h, groups)
         t1 = time.perf_counter()
         h_pol = h.detach() if self.cfg.detach_policy_inputs else h
-        bs = self.policy.sample(h_pol, self._policy_inputs(h, rows), scores.to(self.device), mask.to(self.device),
-                                greedy=greedy)
+        bs = self._allocate(h_pol, rows, scores, mask, greedy)
         budgets = bs.budgets.cpu()
         t2 = time.perf_counter()
         soft, counts = self._soft_tokens(rows, budgets)
@@ -351,28 +401,41 @@ class ElasticMem(nn.Module):
     def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.isin(ids, torch.tensor(self.eos_ids, dtype=ids.dtype))
 
-    def _generate(self, batch_in, temperature: float, greedy: bool):
-        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature."""
+    def generation_config(self, temperature: float, greedy: bool):
+        """Sampling from softmax(logits / temperature) and nothing else.
+
+        Every logits processor is set to neutral explicitly: transformers fills unset
+        values with its defaults (top_k=50) and checkpoints bring their own (Qwen2.5:
+        top_k 20, top_p 0.8, repetition_penalty 1.05), which would make the recorded
+        log-probs differ from the distribution actually sampled from.
+        """
         from transformers import GenerationConfig
 
-        # Only temperature shapes the sampling distribution (no top-k/top-p), so the recorded
-        # log-probs are exactly those of the distribution sampled from.
-        gen_cfg = GenerationConfig(
+        return GenerationConfig(
             max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else temperature, top_k=None, top_p=None,
+            temperature=1.0 if greedy else temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0,
+            repetition_penalty=1.0, no_repeat_ngram_size=0, epsilon_cutoff=0.0, eta_cutoff=0.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
             return_dict_in_generate=True, output_logits=True,
         )
+
+    def _generate(self, batch_in, temperature: float, greedy: bool):
+        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature."""
         out = self.lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
-                               generation_config=gen_cfg)
-        ids = out.sequences[:, -len(out.logits):].cpu()
-        logits = torch.stack(out.logits, 1).float().cpu() / (1.0 if greedy else temperature)  # [N, T, V]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+                               generation_config=self.generation_config(temperature, greedy))
+        ids = out.sequences[:, -len(out.logits):]
+        logits = torch.stack(out.logits, 1).float() / (1.0 if greedy else temperature)  # [N, T, V]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1).cpu()
+        ids = ids.cpu()
         eos = self._is_eos(ids)
         after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
         mask = ~after_eos
         ids = torch.where(mask, ids, torch.full_like(ids, self.tokenizer.pad_token_id))
         return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
+
+    def forward(self, traj: Trajectories) -> ScoreOutput:
+        """``score``: the training forward pass (so DDP/DeepSpeed wrappers see a forward call)."""
+        return self.score(traj)
 
     def score(self, traj: Trajectories) -> ScoreOutput:
         """Log-probs of every recorded action under the current parameters, in one forward pass.
@@ -401,8 +464,7 @@ class ElasticMem(nn.Module):
         h = H[ar, x.query_pos].float() if mode in ("control", "query_only") else traj.query_state.to(device)
         if self.cfg.detach_policy_inputs:
             h = h.detach()
-        logp_b, ent_b = self.policy.log_prob(h, self._policy_inputs(h, traj.rows), traj.scores.to(device),
-                                             traj.mask.to(device), traj.budgets.to(device))
+        logp_b, ent_b = self._allocate(h, traj.rows, traj.scores, traj.mask, traj.greedy, traj.budgets)
         T = traj.answer_ids.shape[1]
         n_ans = traj.answer_mask.sum(-1).to(device)
         # answer token t sits at answer_start + t and is predicted from the position before it
@@ -426,7 +488,9 @@ class ElasticMem(nn.Module):
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        self.lm.save_pretrained(out / "adapter")
+        # The base weights are frozen and identified by the fingerprint: never copy them into
+        # the adapter, even when lm_head (tied to the embeddings) carries LoRA.
+        self.lm.save_pretrained(out / "adapter", save_embedding_layers=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.policy.state_dict().items()},
                   out / "budget_policy.safetensors")
         save_file({k: v.detach().cpu().contiguous() for k, v in self.projector.state_dict().items()},
@@ -439,9 +503,6 @@ class ElasticMem(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, backbone, bank: Bank, index: KeyIndex | None = None) -> "ElasticMem":
         """Rebuild a saved model on ``backbone`` (which must be the one it was trained on)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         from elasticmem.utils.configuration import from_dict
 
         path = Path(path)
@@ -455,11 +516,19 @@ class ElasticMem(nn.Module):
                 f"given is {backbone.name_or_path!r} ({backbone.fingerprint[:23]}...)"
             )
         model = cls(backbone, from_dict(MemoryConfig, meta["memory"]), bank, index)
-        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(model.device))
-        result = set_peft_model_state_dict(model.lm, adapter)
+        model.load_weights(path)
+        return model
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load the trained parts (adapter, policy, projector) saved by ``save_pretrained`` into this model."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path, dev = Path(path), str(self.device)
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=dev)
+        result = set_peft_model_state_dict(self.lm, adapter)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"unexpected adapter weights in {path}: {result.unexpected_keys[:3]}")
-        model.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=str(model.device)))
-        model.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=str(model.device)))
-        return model
+        self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
+        self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
 

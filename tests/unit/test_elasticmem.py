@@ -245,3 +245,16 @@ def test_chat_template_prompt(bank):
     assert "<|im_start|>" in text and text.rstrip().endswith("assistant")
     traj = model.sample(examples[:2], group_size=2)
     _close(model.score(traj).logp_answer, traj.logp_answer)
+
+
+def test_sampling_distribution_is_temperature_only(bank):
+    """The generation config applies no hidden top-k/top-p: processed scores == raw logits / T."""
+    bank, examples = bank
+    model = make_model(bank)
+    torch.manual_seed(0)
+    ids = torch.tensor([model.encode_texts(examples[0])[0]])
+    cfg = model.generation_config(0.7, greedy=False)
+    cfg.output_scores = True
+    out = model.lm.generate(input_ids=ids, generation_config=cfg)
+    for raw, processed in zip(out.logits, out.scores):
+        assert torch.allclose(raw / 0.7, processed, atol=1e-6)

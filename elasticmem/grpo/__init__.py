@@ -1,0 +1,1 @@
+"""GRPO for ElasticMem: rewards, group advantages and the clipped policy loss (pure functions)."""

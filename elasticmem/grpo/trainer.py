@@ -1,0 +1,518 @@
+"""The GRPO training loop: one function, ``train(cfg)``.
+
+Per rollout step: each process draws its own B queries and samples G
+trajectories per query (rollout, eval mode, no gradients) -> rewards ->
+group-relative advantages -> for each of ``num_iterations`` optimizer steps,
+score the trajectories in micro-batches (train mode, gradients) and
+accumulate the loss -> clip -> AdamW -> cosine schedule -> log -> checkpoint.
+
+Dropout (LoRA, policy, projector) is off while sampling, so actions come from
+the deterministic policy network, and on while scoring. The old log-probs of
+the first iteration are the detached log-probs of that same scoring pass
+(ratio 1: the on-policy gradient, whatever the dropout draw); later
+iterations reuse them, as TRL does.
+
+Distributed: ``accelerate launch`` (DDP, DeepSpeed); a group never spans
+processes; the loss uses global normalisers and is multiplied by the number of
+processes so that DDP's gradient averaging yields the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from elasticmem.config import Config
+from elasticmem.data.schema import Example
+from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem_loss, group_advantages, uniform_groups
+from elasticmem.grpo.rewards import get_reward
+from elasticmem.utils import checkpointing as ckpt
+from elasticmem.utils.configuration import save as save_config
+
+
+# --------------------------------------------------------------------------- data order
+
+
+@dataclass
+class QuerySampler:
+    """Deterministic query order: a seeded permutation per epoch, read in global batches.
+
+    Process ``rank`` takes the ``rank``-th slice of each global batch of ``B * world``
+    queries; an incomplete global batch at the end of an epoch is dropped.
+    """
+
+    num_examples: int
+    batch_size: int
+    world: int
+    rank: int
+    seed: int
+    epoch: int = 0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_examples < self.batch_size * self.world:
+            raise ValueError(
+                f"{self.num_examples} training queries cannot fill one global batch of "
+                f"{self.batch_size} x {self.world} processes; lower train.batch_size"
+            )
+
+    def _perm(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_examples, generator=g)
+
+    def next(self) -> list[int]:
+        span = self.batch_size * self.world
+        if self.offset + span > self.num_examples:
+            self.epoch, self.offset = self.epoch + 1, 0
+        perm = self._perm()
+        start = self.offset + self.rank * self.batch_size
+        self.offset += span
+        return perm[start : start + self.batch_size].tolist()
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def _accelerator(cfg: Config):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, parse_flag_from_env
+
+    cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    mp = cfg.train.mixed_precision
+    mp = ("bf16" if cuda else "no") if mp == "auto" else mp
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]  # e.g. projector when all budgets are 0
+    if not cuda and world > 1:  # DeepSpeed on CPU needs gloo (DESIGN.md section 4)
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    acc = Accelerator(cpu=not cuda, mixed_precision=mp, kwargs_handlers=handlers,
+                      log_with=list(cfg.train.trackers) or None, project_dir=cfg.train.output_dir)
+    if world > 1 and acc.num_processes != world:
+        raise RuntimeError(f"launched {world} processes but accelerate sees {acc.num_processes}: on CPU use "
+                           f"ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {world}")
+    return acc
+
+
+def _optimizer(model, cfg: Config) -> torch.optim.Optimizer:
+    t = cfg.train
+    groups: dict[str, list] = {"lm": [], "policy": [], "projector": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[name.split(".", 1)[0] if name.startswith(("policy.", "projector.")) else "lm"].append(p)
+    lrs = {"lm": t.lr, "policy": t.lr_policy or t.lr, "projector": t.lr_projector or t.lr}
+    return torch.optim.AdamW([{"params": ps, "lr": lrs[k], "name": k} for k, ps in groups.items() if ps],
+                             weight_decay=t.weight_decay)
+
+
+def _scheduler(optimizer, total: int, cfg: Config):
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=cfg.train.warmup_steps, num_training_steps=max(1, total),
+        min_lr_rate=cfg.train.min_lr_ratio,
+    )
+
+
+class _StopFlag:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, stop. Second Ctrl-C: stop now."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._old = {}
+
+    def __enter__(self):
+        if threading_main():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.set and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.set = True
+        print(f"\n[train] signal {signum}: stopping after this step and writing a checkpoint "
+              f"(Ctrl-C again to stop at once)", file=sys.stderr)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def greedy_eval(model, examples: Sequence[Example], reward_fn, batch_size: int, accelerator=None) -> dict[str, Any]:
+    """Greedy accuracy, #Tok and B_mem on ``examples`` (shared across processes, gathered once)."""
+    model.eval()
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    mine = list(range(rank, len(examples), world))
+    rows = []
+    for i in range(0, len(mine), batch_size):
+        batch = [examples[j] for j in mine[i : i + batch_size]]
+        traj = model.greedy(batch)
+        for k, ex in enumerate(batch):
+            rows.append([mine[i + k], reward_fn(traj.answers[k], ex), float(traj.num_tokens[k]),
+                         float(traj.memory_tokens[k])])
+    t = torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
+    if accelerator is not None and world > 1:
+        # pad to equal length: gather needs equal shapes on every process
+        n = math.ceil(len(examples) / world)
+        t = torch.cat([t, torch.full((n - t.shape[0], 4), -1.0, dtype=torch.float64)])
+        t = accelerator.gather(t.to(accelerator.device)).cpu()
+        t = t[t[:, 0] >= 0]
+    t = t[t[:, 0].argsort()]
+    per_type: dict[str, list[float]] = {}
+    for idx, r, *_ in t.tolist():
+        per_type.setdefault(examples[int(idx)].question_type, []).append(r)
+    return {
+        "accuracy": float(t[:, 1].mean()) if len(t) else 0.0,
+        "num_examples": int(len(t)),
+        "avg_tokens": float(t[:, 2].mean()) if len(t) else 0.0,
+        "avg_memory_tokens": float(t[:, 3].mean()) if len(t) else 0.0,
+        "per_type": {k: sum(v) / len(v) for k, v in sorted(per_type.items())},
+    }
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run GRPO training as configured; returns the final metrics (and evaluation, if any)."""
+    from accelerate.utils import set_seed
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import Bank, build_index
+    from elasticmem.data.schema import load_split
+    from elasticmem.model.elasticmem import ElasticMem, Trajectories
+
+    t = cfg.train
+    acc = _accelerator(cfg)
+    rank, world, main = acc.process_index, acc.num_processes, acc.is_main_process
+    out = Path(t.output_dir)
+    ckroot = out / "checkpoints"
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+    set_seed(cfg.seed + rank)  # different processes sample differently; resume restores each process's RNG
+
+    backbone = load_backbone(cfg.model, device=acc.device)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
+    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
+    examples = load_split(cfg.data.dir, t.split)
+    reward_fn = get_reward(t.reward)
+    sampler = QuerySampler(len(examples), t.batch_size, world, rank, cfg.seed)
+    total = t.max_steps or max(1, math.floor(t.epochs * len(examples) / (t.batch_size * world)))
+    optimizer = _optimizer(model, cfg)
+    scheduler = _scheduler(optimizer, total * t.num_iterations, cfg)
+    model, optimizer = acc.prepare(model, optimizer)
+    core = acc.unwrap_model(model)
+
+    state: dict[str, Any] = {"step": 0, "optimizer_steps": 0, "skipped_steps": 0, "sampler": sampler.state()}
+    last = ckpt.latest_checkpoint(ckroot) if t.resume else None
+    if last is not None:
+        core.load_weights(last)
+        state = ckpt.read_trainer_state(last, optimizer, scheduler)
+        ckpt.load_rng(last, rank)
+        sampler.epoch, sampler.offset = state["sampler"]["epoch"], state["sampler"]["offset"]
+        if main:
+            print(f"[train] resumed from {last} (step {state['step']})", file=sys.stderr)
+    metrics_path = out / "metrics.jsonl"
+    if main:
+        _truncate_jsonl(metrics_path, state["step"])
+        _truncate_jsonl(out / "rollouts.jsonl", state["step"])
+        acc.init_trackers("elasticmem", config={}) if t.trackers else None
+
+    def save_checkpoint() -> None:
+        tmp = ckpt.tmp_dir(ckroot, state["step"])
+        if main:
+            ckroot.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            core.save_pretrained(tmp)
+            ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()})
+        acc.wait_for_everyone()
+        ckpt.save_rng(tmp, rank)
+        acc.wait_for_everyone()
+        if main:
+            ckpt.finalize(ckroot, state["step"], t.keep_last)
+        acc.wait_for_everyone()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=state["step"], desc="GRPO", unit="step", disable=not main, file=sys.stderr,
+               dynamic_ncols=True)
+    history: list[dict[str, Any]] = []
+    with _StopFlag() as stop:
+        while state["step"] < total:
+            step = state["step"] + 1
+            t0 = time.perf_counter()
+            # ---- rollout
+            idx = sampler.next()
+            batch = [examples[i] for i in idx]
+            model.eval()
+            if t.replay_rollouts:
+                traj = _load_rollout(Path(t.replay_rollouts), step, rank, world, batch)
+            else:
+                traj = core.sample(batch, t.group_size, t.temperature)
+            if t.record_rollouts:
+                _save_rollout(Path(t.record_rollouts), step, rank, traj)
+            rewards = torch.tensor([reward_fn(a, batch[q]) for a, q in zip(traj.answers, traj.query_index.tolist())])
+            t1 = time.perf_counter()
+            # ---- advantages and normalisers
+            G = t.group_size
+            adv = group_advantages(rewards.view(-1, G), t.loss).view(-1)
+            keep = ~uniform_groups(rewards.view(-1, G)).repeat_interleave(G) if t.loss.skip_uniform_groups else None
+            masks = PartMasks.of(traj)
+            norm = Normalizer.from_masks(masks, core.cfg.max_new_tokens, keep,
+                                         with_control=core.cfg.retrieval == "control")
+            norm = _reduce_normalizer(norm, acc)
+            ref = _reference_logps(core, traj, t.loss.kl_beta)
+            # ---- optimisation
+            model.train()
+            old: list[PartLogProbs] = []
+            t_score = t_back = 0.0
+            metrics_acc: Counter = Counter()
+            for it in range(t.num_iterations):
+                micro = [list(range(i, min(i + t.micro_batch_size, len(traj))))
+                         for i in range(0, len(traj), t.micro_batch_size)]
+                finite = True
+                for mi, ids in enumerate(micro):
+                    sub = traj.select(ids)
+                    sync = contextlib.nullcontext() if mi == len(micro) - 1 else acc.no_sync(model)
+                    with sync:
+                        ts = time.perf_counter()
+                        with acc.autocast():
+                            o = model(sub)
+                        new = PartLogProbs.of(o)
+                        if it == 0:
+                            old.append(PartLogProbs(new.control.detach(), new.budget.detach(), new.answer.detach()))
+                        dev, sel = new.control.device, torch.as_tensor(ids)
+                        loss, m = elasticmem_loss(
+                            new, old[mi], adv[sel].to(dev), _to(masks.select(sel), dev), t.loss, norm,
+                            ref=None if ref is None else _to(ref.select(sel), dev),
+                            keep=None if keep is None else keep[sel].to(dev),
+                        )
+                        tb = time.perf_counter()
+                        finite &= bool(torch.isfinite(loss))
+                        if finite:
+                            acc.backward(loss * world)
+                        t_score += tb - ts
+                        t_back += time.perf_counter() - tb
+                    for k, v in m.items():
+                        metrics_acc[k] += float(v) * len(ids) / len(traj) / t.num_iterations
+                    metrics_acc["loss"] += float(loss.detach()) / t.num_iterations
+                grad_norm = _finite_grad_norm(model, acc, t.max_grad_norm) if finite else float("nan")
+                ok = torch.tensor(float(finite and math.isfinite(grad_norm)), device=acc.device)
+                if bool(acc.reduce(ok, reduction="sum") == world):
+                    optimizer.step()
+                    scheduler.step()
+                    state["optimizer_steps"] += 1
+                else:
+                    state["skipped_steps"] += 1
+                    if main:
+                        print(f"[train] step {step}: non-finite loss or gradient, update skipped "
+                              f"({state['skipped_steps']} so far)", file=sys.stderr)
+                optimizer.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            state["step"] = step
+            state["sampler"] = sampler.state()
+            # ---- log
+            if step % t.log_every == 0 or step == total:
+                row = _step_metrics(step, traj, rewards, metrics_acc, acc, core, grad_norm, scheduler, state,
+                                    {"rollout": t1 - t0, "score": t_score, "backward": t_back, "total": t2 - t0})
+                if main:
+                    _append_jsonl(metrics_path, row)
+                    _append_jsonl(out / "rollouts.jsonl", *_sample_rollouts(step, traj, batch, rewards, core, t))
+                    if t.trackers:
+                        acc.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+                    bar.set_postfix(reward=f"{row['reward/mean']:.3f}", loss=f"{row['loss']:.4f}")
+                history.append(row)
+            bar.update(1)
+            if t.eval_every and step % t.eval_every == 0 and t.eval_split:
+                ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
+                if main:
+                    _append_jsonl(metrics_path, {"step": step, "eval": ev})
+            stop_now = bool(acc.reduce(torch.tensor(float(stop.set), device=acc.device), reduction="sum") > 0)
+            if step % t.save_every == 0 or step == total or stop_now:
+                save_checkpoint()
+            if stop_now:
+                bar.close()
+                return {"stopped_at": step, "history": history}
+    bar.close()
+    result: dict[str, Any] = {"steps": state["step"], "skipped_steps": state["skipped_steps"], "history": history}
+    if main:
+        core.save_pretrained(out / "final")
+    if t.eval_split:
+        ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
+        result["eval"] = ev
+        if main:
+            (out / f"eval_{t.eval_split}.json").write_text(json.dumps(ev, indent=1))
+    acc.wait_for_everyone()
+    if t.trackers:
+        acc.end_training()
+    return result
+
+
+# --------------------------------------------------------------------------- helpers of the loop
+
+
+def _eval_examples(cfg: Config) -> list[Example]:
+    from elasticmem.data.schema import load_split
+
+    ex = load_split(cfg.data.dir, cfg.train.eval_split)
+    return ex[: cfg.train.eval_limit] if cfg.train.eval_limit else ex
+
+
+def _to(parts, dev):
+    """A PartMasks / PartLogProbs with every tensor moved to ``dev``."""
+    return type(parts)(*(None if v is None else v.to(dev) for v in vars(parts).values()))
+
+
+@torch.no_grad()
+def _reference_logps(core, traj, beta: float) -> PartLogProbs | None:
+    """Log-probs of the adapter-disabled model (for the optional k3 KL term)."""
+    if beta <= 0:
+        return None
+    with core.lm.disable_adapter():
+        o = core.score(traj)
+    return PartLogProbs(o.logp_control.cpu(), o.logp_budget.cpu(), o.logp_answer.cpu(), None)
+
+
+def _reduce_normalizer(norm: Normalizer, acc) -> Normalizer:
+    """Counts of the whole optimizer batch over all processes."""
+    if acc.num_processes == 1:
+        return norm
+    counts = torch.tensor([norm.num_trajectories, norm.lm_units, norm.budget_units], device=acc.device)
+    parts = acc.gather(counts).reshape(acc.num_processes, 3).tolist()
+    return Normalizer.combine([dataclasses.replace(norm, num_trajectories=a, lm_units=b, budget_units=c)
+                               for a, b, c in parts])
+
+
+def _finite_grad_norm(model, acc, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_norm > 0:
+        return float(acc.clip_grad_norm_(params, max_norm))
+    grads = [p.grad.detach().norm() for p in params if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state, times) -> dict[str, Any]:
+    """Per-step metrics, reduced over processes (per-trajectory values are gathered)."""
+    dev = acc.device
+    per_traj = torch.stack([rewards.float(), traj.memory_tokens.float(), traj.num_tokens.float()], 1).to(dev)
+    allv = acc.gather(per_traj).cpu() if acc.num_processes > 1 else per_traj.cpu()
+    bmax = core.cfg.policy.max_budget
+    hist = torch.bincount(traj.budgets[traj.mask].clamp(0, bmax), minlength=bmax + 1).to(dev)
+    if acc.num_processes > 1:
+        hist = acc.reduce(hist, reduction="sum")
+        loss_t = acc.reduce(torch.tensor([m[k] for k in sorted(m)], device=dev), reduction="mean").tolist()
+        m = dict(zip(sorted(m), loss_t))
+    r = allv[:, 0]
+    row = {
+        "step": step,
+        "reward/mean": float(r.mean()),
+        "reward/std": float(r.std()) if len(r) > 1 else 0.0,
+        "accuracy": float((r > 0.5).float().mean()),
+        "loss": float(m.get("loss", 0.0)),
+        **{k: float(v) for k, v in sorted(m.items()) if k != "loss"},
+        "grad_norm": grad_norm,
+        "lr": float(scheduler.get_last_lr()[0]),
+        "budget/mean_B_mem": float(allv[:, 1].mean()),
+        "budget/histogram": hist.cpu().tolist(),
+        "tokens/per_trajectory": float(allv[:, 2].mean()),
+        "skipped_steps": state["skipped_steps"],
+        "processes": acc.num_processes,
+        **{f"time/{k}": v for k, v in times.items()},
+    }
+    return row
+
+
+def _sample_rollouts(step, traj, batch, rewards, core, t) -> list[dict[str, Any]]:
+    out = []
+    for i in range(min(t.log_rollouts, len(traj))):
+        ex = batch[int(traj.query_index[i])]
+        out.append({
+            "step": step, "id": ex.id, "question": ex.question, "gold": ex.answer_letter,
+            "answer": traj.answers[i], "reward": float(rewards[i]),
+            "control": core.tokenizer.decode([int(traj.control[i])]) if traj.control[i] >= 0 else None,
+            "rows": traj.rows[i].tolist(), "budgets": traj.budgets[i].tolist(),
+        })
+    return out
+
+
+def _append_jsonl(path: Path, *rows: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Drop lines logged after ``step`` (a resumed run rewrites them)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _save_rollout(root: Path, step: int, rank: int, traj) -> None:
+    """Record one process's rollout batch (tensors as safetensors, the rest as JSON)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    items = vars(traj).items()
+    save_file({k: v.contiguous() for k, v in items if isinstance(v, torch.Tensor)},
+              root / f"step{step:06d}_rank{rank}.safetensors")
+    (root / f"step{step:06d}_rank{rank}.json").write_text(
+        json.dumps({k: v for k, v in items if not isinstance(v, torch.Tensor)}))
+
+
+def _load_rollout(root: Path, step: int, rank: int, world: int, batch: Sequence[Example]):
+    """This process's share of a recorded rollout batch, whatever the number of processes that recorded it.
+
+    The recorded files of the step are joined in process order; queries are then dealt
+    out in the same global order the sampler uses, so ``world`` processes with batch B
+    replay what one process with batch ``world * B`` recorded (and vice versa).
+    """
+    from safetensors.torch import load_file
+
+    from elasticmem.model.elasticmem import Trajectories
+
+    files = sorted(root.glob(f"step{step:06d}_rank*.safetensors"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+    if not files:
+        raise FileNotFoundError(f"no recorded rollout for step {step} in {root}")
+    parts = [Trajectories(**load_file(str(p)), **json.loads(p.with_suffix(".json").read_text())) for p in files]
+    allt = Trajectories.concat(parts)
+    B = len(batch)
+    ids = (allt.query_index >= rank * B) & (allt.query_index < (rank + 1) * B)
+    mine = allt.select(ids.nonzero().reshape(-1))
+    mine.query_index = mine.query_index - rank * B
+    got = [mine.example_ids[i] for i in range(0, len(mine), max(1, len(mine) // B))]
+    if got != [ex.id for ex in batch]:
+        raise ValueError(f"recorded rollout of step {step} is for other queries ({got[:2]}...) than "
+                         f"this run draws ({[ex.id for ex in batch][:2]}...): seed or batch size differ")
+    return mine

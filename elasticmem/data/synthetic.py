@@ -42,6 +42,7 @@ from typing import Any, Literal, Sequence
 
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import SPLITS, Example, Turn, write_examples
+from elasticmem.utils.common import require as _require
 
 QUESTION_TYPES = ("single_hop", "multi_hop", "knowledge_update")
 TINY_QUESTION_TYPE = "recall"
@@ -349,10 +350,6 @@ class SyntheticConfig:
         _require(0 <= self.num_filler <= len(FILLER),
                  f"num_filler must be in 0..{len(FILLER)}, got {self.num_filler}")
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _fact_types(question_types: Sequence[str], num_facts: int) -> list[str]:

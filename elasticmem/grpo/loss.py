@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Literal, Sequence, get_args
 import torch
 from torch import Tensor
 
+from elasticmem.utils.common import require as _require
+
 if TYPE_CHECKING:  # only for annotations: the model module pulls in the bank and peft
     from elasticmem.model.elasticmem import ScoreOutput, Trajectories
 
@@ -51,10 +53,6 @@ LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 _EPS = 1e-8
 """Added to the std floor in the advantage denominator (DESIGN.md)."""
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass

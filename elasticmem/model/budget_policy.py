@@ -39,15 +39,13 @@ from typing import Iterator, Literal, NamedTuple, get_args
 import torch
 from torch import Tensor, nn
 
+from elasticmem.utils.common import require as _require
+
 BudgetVariant = Literal["transformer", "autoregressive", "mlp", "uniform", "random"]
 VARIANTS: tuple[str, ...] = get_args(BudgetVariant)
 LEARNED_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive", "mlp")
 ENCODER_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive")
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass

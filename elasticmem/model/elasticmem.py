@@ -413,7 +413,8 @@ class ElasticMem(nn.Module):
 
         return GenerationConfig(
             max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
-            temperature=1.0 if greedy else temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0,
+            temperature=1.0 if greedy else temperature, top_k=None if greedy else 0, top_p=1.0, min_p=None,
+            typical_p=1.0,
             repetition_penalty=1.0, no_repeat_ngram_size=0, epsilon_cutoff=0.0, eta_cutoff=0.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
             return_dict_in_generate=True, output_logits=True,

@@ -1,0 +1,470 @@
+"""GRPO step benchmark: our trainer's time per step vs TRL's GRPOTrainer on the same work.
+
+    python benchmarks/grpo_step.py                                   # tiny + smollm2, B=4 x G=4 (~10 min on 2 cores)
+    python benchmarks/grpo_step.py --models tiny --tiny-steps 10     # quick (under a minute)
+    python benchmarks/grpo_step.py --steps 3 --out /tmp/grpo_step.json
+
+Prints, per model, the median seconds per GRPO step (rollout -> rewards ->
+advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
+
+* **trl**: ``trl.GRPOTrainer`` (the installed TRL, 1.16 when written) on a
+  *text-memory* prompt: the texts of the top-Z retrieved chunks, then the
+  question, then the options suffix (``"\\n".join(chunks) + "\\n" + question +
+  suffix``; suffix = the preset's ``memory.suffix_template`` with the options
+  filled in). The Z chunks are retrieved once, before training, with the bank's
+  exact index (``TorchIndex``) from the *frozen* model state (final-layer state
+  of the last question token, no adapter: ``memory.retrieval=frozen``).
+  Reward: ``mc_letter_reward`` on the stripped completion. Settings:
+  ``num_generations=G``, ``per_device_train_batch_size=B*G`` (TRL counts
+  completions), ``gradient_accumulation_steps=1``, ``num_iterations=1``,
+  ``max_completion_length=max_new_tokens``, temperature 1.0 with top_k 0 /
+  top_p 1 (plain sampling, like ours), ``beta=0`` (no reference model),
+  ``loss_type="grpo"``, ``epsilon`` = our clip_eps (0.05), the preset's lr /
+  weight decay / grad clip, cosine schedule, ``use_cpu=True``, ``bf16=False``,
+  ``gradient_checkpointing=False`` (TRL defaults it to True, which would make it
+  recompute activations; we do not), LoRA through ``peft_config`` with the
+  preset's r / alpha / dropout / target modules (minus ``lm_head``, which TRL
+  refuses; dropped for both systems, which only affects the tiny preset). Each step is timed by a
+  ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``, which spans
+  generation, rewards, the loss forward, backward and the optimizer step); the
+  split comes from wrapping ``_generate_and_score_completions`` (rollout),
+  ``compute_loss`` (score) and ``accelerator.backward`` (backward).
+* **ours (text-equiv)**: ``elasticmem.grpo.trainer.train`` with the same model,
+  B, G, max_new_tokens and LoRA, on ElasticMem with ``memory.top_z=Z``,
+  ``memory.policy.variant=uniform`` and ``uniform_budget = max_budget =
+  n_cache = chunking.max_tokens``, over a bank built with ``n_cache =
+  chunking.max_tokens``: every retrieved memory injects its *whole* cached
+  state sequence, i.e. exactly as many soft tokens as the chunk has text tokens
+  (``c_j = L_j``). Retrieval keeps the preset's mode (tiny: ``frozen``, so the
+  very chunks TRL's prompts hold; SmolLM2: ``control``, the method's
+  control-token retrieval, so the chunks and their lengths differ a little:
+  compare the token columns). This is the same work as TRL's up to the
+  text-vs-soft-token difference, plus ElasticMem's own parts (control token,
+  projector).
+* **ours (default)**: the same, with the preset's ElasticMem (transformer
+  budget policy, preset ``max_budget``) over a bank with the preset's
+  ``n_cache``: the method as configured, for reference.
+
+Our step times come from the run's ``metrics.jsonl`` (``time/rollout``,
+``time/score``, ``time/backward``, ``time/total``); ``other`` = total - the
+three (advantages, grad clip, AdamW, scheduler). ``micro_batch_size`` is B*G
+(one scoring forward/backward per step, like TRL with
+``gradient_accumulation_steps=1``; ``--micro-batch`` changes it). No
+evaluation, checkpoints only at the end (outside the timed steps). The first
+step of every run is a warm-up and is dropped; the rest give the median. The
+ratio is median ours (text-equiv) / median TRL (goal <= 1.0); ours
+(default) / TRL is printed too.
+
+Data: the tiny model trains on the tiny synthetic task (``configs/tiny.yaml``,
+``data.synthetic``), SmolLM2 on the persona task (``configs/quickstart.yaml``),
+written with ``write_synthetic`` into a temp dir. Both systems see the same
+queries in the same order: the B queries of step k are those our
+``QuerySampler`` draws (seeded permutation of the train split), and TRL's
+dataset is those queries in that order with ``shuffle_dataset=False``. Banks
+hold the histories of those queries only (built with ``build_bank`` using the
+backbone before anything wraps it; cache float32). Model settings are the
+preset's (``memory.*``, ``train.lr``...), except ``top_z`` (SmolLM2: 4 by
+default, ``--top-z``) and the settings above. SmolLM2 needs ``python -m
+elasticmem.backbone fetch smollm2`` once (skipped with a message otherwise).
+
+Threads: ``--threads 1`` by default (on a shared 2-core machine two intra-op
+threads fighting other jobs make small ops 5-10x slower and times swing); the
+three runs of a model run one after another in this process, so a busy
+machine affects them all; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from elasticmem.backbone import load_backbone  # noqa: E402
+from elasticmem.bank import Bank, build_bank  # noqa: E402
+from elasticmem.bank.index import TorchIndex  # noqa: E402
+from elasticmem.config import Config, load_config  # noqa: E402
+from elasticmem.data.schema import Example, load_split  # noqa: E402
+from elasticmem.data.synthetic import write_synthetic  # noqa: E402
+from elasticmem.grpo.rewards import mc_letter_reward  # noqa: E402
+from elasticmem.grpo.trainer import QuerySampler  # noqa: E402
+from elasticmem.model.elasticmem import format_options  # noqa: E402
+
+PRESETS = {"tiny": REPO / "configs" / "tiny.yaml", "smollm2": REPO / "configs" / "quickstart.yaml"}
+PARTS = ("rollout", "score", "backward", "other")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+# =========================================================================== setup
+
+
+def drawn_batches(train: list[Example], B: int, steps: int, seed: int) -> list[list[Example]]:
+    """The B queries of each of ``steps`` steps, as the trainer's QuerySampler draws them (1 process)."""
+    sampler = QuerySampler(len(train), B, 1, 0, seed)
+    return [[train[i] for i in sampler.next()] for _ in range(steps)]
+
+
+def make_bank(backbone, cfg: Config, members: list[Example], root: Path, n_cache: int) -> Path:
+    bank_cfg = dataclasses.replace(cfg.bank, dir=str(root), n_cache=n_cache, overwrite=True, verify=False)
+    t = time.perf_counter()
+    res = build_bank({"train": members}, backbone, cfg.chunking, bank_cfg, torch.float32, show_progress=False)
+    log(f"  bank n_cache={n_cache}: {res.num_chunks} chunks in {res.num_groups} histories, "
+        f"{res.num_tokens} tokens, built in {time.perf_counter() - t:.1f} s")
+    return root
+
+
+@torch.no_grad()
+def text_prompts(backbone, cfg: Config, bank_dir: Path, queries: list[Example], Z: int) -> list[dict[str, Any]]:
+    """TRL's prompts: top-Z chunk texts (exact index, frozen state at the last question token) + question + suffix."""
+    tok = backbone.tokenizer
+    if cfg.memory.prompt_template != "raw":
+        raise SystemExit("this benchmark builds raw-text prompts; the preset uses the chat template")
+    bank = Bank.open(bank_dir)
+    index = TorchIndex(bank)
+    decoder = backbone.model.get_decoder()
+    out = []
+    for ex in queries:
+        ids = tok(ex.question)["input_ids"]  # = ElasticMem.encode_texts' prompt(q) under the raw template
+        h = decoder(input_ids=torch.tensor([ids], device=backbone.device)).last_hidden_state[:, -1].float()
+        res = index.search(h, Z, [ex.group])
+        rows = [int(r) for r in res.rows[0] if r >= 0]
+        chunks = [bank.chunk(r)["text"] for r in rows]
+        suffix = cfg.memory.suffix_template.format(options=format_options(ex.choices), question=ex.question)
+        prompt = "".join(c + "\n" for c in chunks) + ex.question + suffix
+        out.append({
+            "prompt": prompt, "ex_id": ex.id, "rows": rows,
+            "prompt_tokens": len(tok(prompt)["input_ids"]),
+            "memory_tokens": sum(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chunks),
+            "bank_chunk_tokens": sum(int(bank.chunk(r)["n_tokens"]) for r in rows),
+        })
+    return out
+
+
+# =========================================================================== TRL
+
+
+def lora_targets(cfg: Config) -> list[str]:
+    """The preset's LoRA targets without lm_head: TRL refuses an adapter on lm_head (it computes
+    log-probs from ``lm_head.weight`` directly), so neither system gets one (tiny preset)."""
+    return [x for x in cfg.memory.lora.target_modules if x != "lm_head"]
+
+
+def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict[str, Example], args, B: int,
+            G: int, steps: int, out_dir: Path) -> dict[str, Any]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    completion_lengths: list[int] = []
+
+    def reward(prompts, completions, ex_id, completion_ids=None, **kw):  # TRL's reward signature
+        if completion_ids is not None:
+            completion_lengths.extend(len(c) for c in completion_ids)
+        return [mc_letter_reward(c.strip(), examples[i]) for c, i in zip(completions, ex_id)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+            self.cur: dict[str, float] = {}
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.cur = dict.fromkeys(("rollout", "score", "backward"), 0.0)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.cur["total"] = time.perf_counter() - self.t0
+            self.steps.append(self.cur)
+
+    timer = StepTimer()
+
+    def timed(fn, part):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if timer.cur:
+                    timer.cur[part] += time.perf_counter() - t
+        return wrapper
+
+    m, t = cfg.memory, cfg.train
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    # transformers 5 renamed gradient_checkpointing (TRL's default: True) to activation_checkpointing
+    no_checkpointing = ({"activation_checkpointing": False} if "activation_checkpointing" in names
+                        else {"gradient_checkpointing": False})
+    conf = GRPOConfig(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=B * G, num_generations=G,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=m.max_new_tokens,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, loss_type="grpo", epsilon=t.loss.clip_eps,
+        scale_rewards="group", learning_rate=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type="cosine", use_cpu=True, bf16=False, fp16=False, **no_checkpointing,
+        report_to=[], logging_steps=10**6, save_strategy="no", shuffle_dataset=False, seed=cfg.seed,
+        dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+    )
+    lora = LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
+                      target_modules=lora_targets(cfg), task_type="CAUSAL_LM")
+    data = Dataset.from_list([{"prompt": p["prompt"], "ex_id": p["ex_id"]} for p in prompts])
+    trainer = GRPOTrainer(model=backbone.model, reward_funcs=reward, args=conf, train_dataset=data,
+                          processing_class=backbone.tokenizer, callbacks=[timer], peft_config=lora)
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "rollout")
+    trainer.compute_loss = timed(trainer.compute_loss, "score")
+    trainer.accelerator.backward = timed(trainer.accelerator.backward, "backward")
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    rows = timer.steps
+    for i, r in enumerate(rows):
+        log(f"  trl step {i + 1}: {r['total']:.3f} s (rollout {r['rollout']:.3f}, score {r['score']:.3f}, "
+            f"backward {r['backward']:.3f})")
+    timed_rows = rows[1:]
+    n_prompts = len(prompts)
+    used = prompts[B: min(n_prompts, B * steps)]  # the prompts of the measured steps
+    return {
+        **summarise(timed_rows),
+        "steps_run": len(rows), "wall_s": wall, "trainable_params": trainable,
+        "memory_tokens_per_traj": mean([p["memory_tokens"] for p in used]),
+        "bank_chunk_tokens_per_traj": mean([p["bank_chunk_tokens"] for p in used]),
+        "prompt_tokens_per_traj": mean([p["prompt_tokens"] for p in used]),
+        "completion_tokens_per_traj": mean(completion_lengths[B * G:]),
+        "tokens_per_traj": mean([p["prompt_tokens"] for p in used]) + mean(completion_lengths[B * G:]),
+    }
+
+
+# =========================================================================== ours
+
+
+def run_ours(preset: Path, overrides: list[str], label: str) -> dict[str, Any]:
+    from elasticmem.grpo.trainer import train
+
+    cfg = load_config(str(preset), overrides)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        train(cfg)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/total" in r]
+    steps = []
+    for r in rows:
+        s = {k: r[f"time/{k}"] for k in ("rollout", "score", "backward", "total")}
+        steps.append(s)
+        log(f"  {label} step {r['step']}: {s['total']:.3f} s (rollout {s['rollout']:.3f}, score {s['score']:.3f}, "
+            f"backward {s['backward']:.3f}); soft tokens/traj {r['budget/mean_B_mem']:.1f}, "
+            f"#Tok/traj {r['tokens/per_trajectory']:.1f}, reward {r['reward/mean']:.2f}")
+    measured = rows[1:]
+    return {
+        **summarise(steps[1:]),
+        "steps_run": len(rows), "wall_s": wall,
+        "memory_tokens_per_traj": mean([r["budget/mean_B_mem"] for r in measured]),
+        "tokens_per_traj": mean([r["tokens/per_trajectory"] for r in measured]),
+        "overrides": overrides,
+    }
+
+
+def summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
+    for r in rows:
+        r["other"] = r["total"] - r["rollout"] - r["score"] - r["backward"]
+    return {
+        "s_per_step": med([r["total"] for r in rows]),
+        "s_per_step_all": [r["total"] for r in rows],
+        "split": {p: med([r[p] for r in rows]) for p in PARTS},
+        "steps_timed": len(rows),
+    }
+
+
+# =========================================================================== one model
+
+
+def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
+    preset = PRESETS[name]
+    cfg = load_config(str(preset))
+    B, G = args.batch, args.group
+    steps = args.tiny_steps if name == "tiny" else args.steps
+    if steps < 2:
+        raise SystemExit("need at least 2 steps (the first is a warm-up)")
+    Z = args.top_z if args.top_z is not None else (cfg.memory.top_z if name == "tiny" else 4)
+    micro = args.micro_batch or B * G
+    root = workdir / name
+    try:
+        backbone = load_backbone(dataclasses.replace(cfg.model, device="cpu"))
+    except FileNotFoundError as e:
+        log(f"[{name}] skipped: {e}")
+        return None
+    n_params = sum(p.numel() for p in backbone.model.parameters())
+    log(f"[{name}] {n_params / 1e6:.2f}M params; preset {preset.name}; B={B}, G={G}, Z={Z}, "
+        f"max_new_tokens={cfg.memory.max_new_tokens}, LoRA r={cfg.memory.lora.r} on {lora_targets(cfg)}, "
+        f"{steps} steps per system (first dropped), micro-batch {micro}")
+    data_dir = root / "data"
+    write_synthetic(cfg.data.synthetic, cfg.seed, data_dir)
+    train_split = load_split(data_dir, "train")
+    batches = drawn_batches(train_split, B, steps, cfg.seed)
+    queries = [ex for b in batches for ex in b]
+    groups = {ex.group for ex in queries}
+    members = [ex for ex in train_split if ex.group in groups]
+    n_full = cfg.chunking.max_tokens
+    bank_full = make_bank(backbone, cfg, members, root / "bank-full", n_full)
+    bank_default = make_bank(backbone, cfg, members, root / "bank-default", cfg.bank.n_cache)
+    t = time.perf_counter()
+    prompts = text_prompts(backbone, cfg, bank_full, queries, Z)
+    log(f"  text prompts for TRL: {len(prompts)} queries, retrieval {time.perf_counter() - t:.1f} s; "
+        f"mean {mean([p['prompt_tokens'] for p in prompts]):.1f} prompt tokens, "
+        f"{mean([p['memory_tokens'] for p in prompts]):.1f} of them chunk text")
+
+    common = [
+        f"seed={cfg.seed}", "model.device=cpu", f"data.dir={data_dir}", f"memory.top_z={Z}",
+        f"train.max_steps={steps}", f"train.batch_size={B}", f"train.group_size={G}",
+        f"train.micro_batch_size={micro}", "train.num_iterations=1", "train.temperature=1.0",
+        "train.eval_split=", "train.save_every=1000000", "train.resume=false", "train.trackers=[]",
+        f"memory.lora.target_modules={json.dumps(lora_targets(cfg))}",
+    ]
+    results: dict[str, Any] = {}
+    examples = {ex.id: ex for ex in queries}
+    order = ["trl", "ours_text", "ours_default"]
+    for system in order:
+        log(f"[{name}] {system} ...")
+        if system == "trl":
+            results[system] = run_trl(backbone, cfg, prompts, examples, args, B, G, steps, root / "trl")
+            del backbone  # TRL wrapped it with peft; ours loads its own
+        elif system == "ours_text":
+            results[system] = run_ours(preset, common + [
+                f"bank.dir={bank_full}", f"train.output_dir={root / 'ours-text'}",
+                "memory.policy.variant=uniform", f"memory.policy.max_budget={n_full}",
+                f"memory.policy.uniform_budget={n_full}",
+            ], "ours(text-equiv)")
+        else:
+            results[system] = run_ours(preset, common + [
+                f"bank.dir={bank_default}", f"train.output_dir={root / 'ours-default'}",
+            ], "ours(default)")
+    trl_s = results["trl"]["s_per_step"]
+    d = cfg.memory
+    return {
+        "model": name, "params_M": n_params / 1e6, "B": B, "G": G, "top_z": Z, "steps": steps,
+        "micro_batch_size": micro,
+        "settings": {"max_new_tokens": d.max_new_tokens, "lora": {**dataclasses.asdict(d.lora), "target_modules": lora_targets(cfg)},
+                     "retrieval": d.retrieval, "default_policy": d.policy.variant,
+                     "default_max_budget": d.policy.max_budget, "default_n_cache": cfg.bank.n_cache,
+                     "text_equiv_budget": n_full, "lr": cfg.train.lr},
+        "systems": results,
+        "ratio": results["ours_text"]["s_per_step"] / trl_s,
+        "ratio_default": results["ours_default"]["s_per_step"] / trl_s,
+    }
+
+
+# =========================================================================== report
+
+
+LABELS = {"trl": "TRL GRPOTrainer", "ours_text": "ours (text-equiv)", "ours_default": "ours (default)"}
+
+
+def print_table(results: list[dict[str, Any]], goal: float) -> None:
+    if not results:
+        log("no results")
+        return
+    w = 124
+    log("")
+    log("=" * w)
+    log(f"{'model':<8} {'system':<18} {'s/step':>8} {'ours/TRL':>9} {'rollout':>8} {'score':>8} {'backward':>9} "
+        f"{'other':>7}  {'mem tok/traj':>12} {'tok/traj':>9}  {'steps':>5}")
+    log("-" * w)
+    for r in results:
+        for key in ("trl", "ours_text", "ours_default"):
+            x = r["systems"][key]
+            sp = x["split"]
+            ratio = "" if key == "trl" else f"{x['s_per_step'] / r['systems']['trl']['s_per_step']:.2f}x"
+            log(f"{r['model']:<8} {LABELS[key]:<18} {x['s_per_step']:>8.3f} {ratio:>9} {sp['rollout']:>8.3f} "
+                f"{sp['score']:>8.3f} {sp['backward']:>9.3f} {sp['other']:>7.3f}  "
+                f"{x['memory_tokens_per_traj']:>12.1f} {x['tokens_per_traj']:>9.1f}  {x['steps_timed']:>5}")
+    log("-" * w)
+    for r in results:
+        ok = "meets" if r["ratio"] <= goal else "misses"
+        log(f"{r['model']}: ours (text-equiv) / TRL = {r['ratio']:.2f}x per step ({ok} the <= {goal:g}x goal); "
+            f"ours (default) / TRL = {r['ratio_default']:.2f}x; B={r['B']}, G={r['G']}, Z={r['top_z']}, "
+            f"medians of {r['steps'] - 1} steps after a warm-up")
+    log("split (s, medians per part): rollout = sampling + rewards (TRL: _generate_and_score_completions, also "
+        "advantages); score = the training forward + loss (TRL: compute_loss); backward; other = the rest of the "
+        "step (advantages, clip, AdamW, scheduler)")
+    log("mem tok/traj: TRL = text tokens of the retrieved chunks in the prompt; ours = injected soft tokens "
+        "(B_mem). tok/traj: TRL = prompt + completion tokens; ours = #Tok (task text + soft tokens + separators "
+        "+ answer)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=list(PRESETS))
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps per system for SmolLM2 (first is dropped)")
+    p.add_argument("--tiny-steps", type=int, default=10, help="GRPO steps per system for the tiny model")
+    p.add_argument("--batch", type=int, default=4, help="B: queries per step")
+    p.add_argument("--group", type=int, default=4, help="G: trajectories per query")
+    p.add_argument("--top-z", type=int, default=None,
+                   help="Z: retrieved memories (default: tiny preset's top_z, 4 for SmolLM2)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="our train.micro_batch_size (0 = B*G: one scoring pass per step, like TRL)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 = torch's choice")
+    p.add_argument("--goal", type=float, default=1.0)
+    p.add_argument("--workdir", default=None, help="temp folder (default: a new one, deleted at the end)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    import trl
+
+    log(f"GRPO step benchmark: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}, load avg {os.getloadavg()[0]:.2f}")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elasticmem-grpo-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    loads = [os.getloadavg()[0]]
+    try:
+        for name in args.models:
+            r = bench_model(name, args, workdir)
+            loads.append(os.getloadavg()[0])
+            if r is not None:
+                results.append(r)
+                log(f"[{name}] ours (text-equiv) / TRL = {r['ratio']:.2f}x; threads now {torch.get_num_threads()}")
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_table(results, args.goal)
+    log(f"load average (1 min) at start and after each model: {', '.join(f'{x:.2f}' for x in loads)}")
+    if args.out:
+        meta = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+                "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
+                "load_avg": loads}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np

@@ -205,7 +205,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_index
     from elasticmem.data.schema import load_split
-    from elasticmem.model.elasticmem import ElasticMem, Trajectories
+    from elasticmem.model.elasticmem import ElasticMem
 
     t = cfg.train
     acc = _accelerator(cfg)
@@ -243,7 +243,8 @@ def train(cfg: Config) -> dict[str, Any]:
     if main:
         _truncate_jsonl(metrics_path, state["step"])
         _truncate_jsonl(out / "rollouts.jsonl", state["step"])
-        acc.init_trackers("elasticmem", config={}) if t.trackers else None
+        if t.trackers:
+            acc.init_trackers("elasticmem")
 
     def save_checkpoint() -> None:
         tmp = ckpt.tmp_dir(ckroot, state["step"])

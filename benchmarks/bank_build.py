@@ -163,6 +163,11 @@ class ShareMeter:
     def share(self) -> float:
         return self.cpu / (self.wall * torch.get_num_threads()) if self.wall > 0 else float("nan")
 
+    def final_check(self) -> None:
+        """For runs too short for ``add`` to judge: the share over the whole run."""
+        if self.abort and self.wall > 0 and self.share < GUARD["min_share"]:
+            raise Contended(f"cpu share {100 * self.share:.0f}% over the run ({self.wall:.2f} s)")
+
     def add(self, wall: float, cpu: float) -> None:
         self.wall += wall
         self.cpu += cpu
@@ -337,7 +342,9 @@ def run_ceiling(decoder, batches, device, abort: bool = False) -> tuple[float, f
             sync(device)
             meter.add(time.perf_counter() - t1, cpu_seconds() - c1)
     sync(device)
-    return time.perf_counter() - t0, meter.share
+    wall = time.perf_counter() - t0
+    meter.final_check()
+    return wall, meter.share
 
 
 def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool = False):
@@ -404,7 +411,14 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         keep = r == args.repeats - 1
         def one_build(abort):
             with timer.active(patch_builder=True, abort=abort):
-                return run_builder(examples, backbone, cfg, timed_dtype, workdir, keep=keep)
+                out = run_builder(examples, backbone, cfg, timed_dtype, workdir, keep=keep)
+            try:
+                timer.meter.final_check()
+            except Contended:
+                if out[2] is not None:
+                    shutil.rmtree(out[2], ignore_errors=True)
+                raise
+            return out
 
         wall, res, kept = guarded(f"{model_name} builder", one_build)
         fwd_share.append(timer.meter.share)
@@ -589,8 +603,9 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
         exact: dict[str, torch.Tensor] = {}
         base_ms: dict[str, float] = {}
 
-        def record(name, params, build_s, index, note=""):
-            row = {"size": n, "index": name, "params": params, "build_s": build_s, "note": note}
+        def record(name, params, build_s, index, note="", build_share=None):
+            row = {"size": n, "index": name, "params": params, "build_s": build_s, "note": note,
+                   "build_cpu_share": build_share}
             for qs, q in queries.items():
                 rows, first, times, share = time_search(index, q, k, args.search_repeats)
                 row[f"{qs}_cpu_share"] = share
@@ -635,9 +650,13 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
                 rows_out.append({"size": n, "index": typ, "skipped": f"n > --{typ}-max-size {cap}"})
                 continue
             cfg = IndexConfig(type=typ, save=False)
-            t0 = time.perf_counter()
+            wait_quiet()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             idx = build_index(bank, cfg, args.seed)
             build_s = time.perf_counter() - t0
+            build_share = (cpu_seconds() - c0) / (build_s * torch.get_num_threads())
+            log(f"[search] n={n}: {typ} index built in {build_s:.1f} s (cpu share {100 * build_share:.0f}%, "
+                f"one measurement)")
             build_params = {}
             if typ == "ivf":
                 build_params = {"nlist": idx.index.nlist, "train_size": min(n, cfg.train_size)}
@@ -647,7 +666,7 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
                 if pname is not None:
                     idx.cfg = dataclasses.replace(cfg, **{pname: v})  # query-time knob, same built index
                 record(typ, {**build_params, **({pname: v} if pname else {})}, build_s, idx,
-                       note="build time is one build shared by the rows of this index")
+                       note="build time is one build shared by the rows of this index", build_share=build_share)
             del idx
             gc.collect()
         del bank

@@ -1,6 +1,6 @@
 """GRPO step benchmark: our trainer's time per step vs TRL's GRPOTrainer on the same work.
 
-    python benchmarks/grpo_step.py                                   # tiny + smollm2, B=4 x G=4 (~10 min on 2 cores)
+    python benchmarks/grpo_step.py                                   # tiny + smollm2, B=4 x G=4 (~10-13 min, 2 cores)
     python benchmarks/grpo_step.py --models tiny --tiny-steps 10     # quick (under a minute)
     python benchmarks/grpo_step.py --steps 3 --out /tmp/grpo_step.json
 
@@ -9,11 +9,14 @@ advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
 
 * **trl**: ``trl.GRPOTrainer`` (the installed TRL, 1.16 when written) on a
   *text-memory* prompt: the texts of the top-Z retrieved chunks, then the
-  question, then the options suffix (``"\\n".join(chunks) + "\\n" + question +
-  suffix``; suffix = the preset's ``memory.suffix_template`` with the options
-  filled in). The Z chunks are retrieved once, before training, with the bank's
-  exact index (``TorchIndex``) from the *frozen* model state (final-layer state
-  of the last question token, no adapter: ``memory.retrieval=frozen``).
+  question, then the options suffix (each chunk followed by "\\n", then the
+  question, then the preset's ``memory.suffix_template`` with the options
+  filled in; under ``prompt_template: chat``, as in quickstart.yaml, all of it
+  is the user turn of the tokenizer's chat template, rendered here and given to
+  TRL as a plain string, as ElasticMem renders its own prompt). The Z chunks
+  are retrieved once, before training, with the bank's exact index
+  (``TorchIndex``) from the *frozen* model state (final-layer state of the
+  last token of ElasticMem's prompt(q), no adapter: ``memory.retrieval=frozen``).
   Reward: ``mc_letter_reward`` on the stripped completion. Settings:
   ``num_generations=G``, ``per_device_train_batch_size=B*G`` (TRL counts
   completions), ``gradient_accumulation_steps=1``, ``num_iterations=1``,
@@ -21,11 +24,12 @@ advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
   top_p 1 (plain sampling, like ours), ``beta=0`` (no reference model),
   ``loss_type="grpo"``, ``epsilon`` = our clip_eps (0.05), the preset's lr /
   weight decay / grad clip, cosine schedule, ``use_cpu=True``, ``bf16=False``,
-  ``gradient_checkpointing=False`` (TRL defaults it to True, which would make it
-  recompute activations; we do not), LoRA through ``peft_config`` with the
-  preset's r / alpha / dropout / target modules (minus ``lm_head``, which TRL
-  refuses; dropped for both systems, which only affects the tiny preset). Each step is timed by a
-  ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``, which spans
+  activation (gradient) checkpointing off (TRL defaults it to on, which would
+  make it recompute activations; we do not), LoRA through ``peft_config`` with
+  the preset's r / alpha / dropout / target modules (minus ``lm_head``, which
+  TRL refuses; dropped for both systems, which only affects the tiny preset).
+  Note that TRL samples with the model in train mode (LoRA dropout on), we in
+  eval mode. Each step is timed by a ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``, which spans
   generation, rewards, the loss forward, backward and the optimizer step); the
   split comes from wrapping ``_generate_and_score_completions`` (rollout),
   ``compute_loss`` (score) and ``accelerator.backward`` (backward).
@@ -47,9 +51,13 @@ advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
 
 Our step times come from the run's ``metrics.jsonl`` (``time/rollout``,
 ``time/score``, ``time/backward``, ``time/total``); ``other`` = total - the
-three (advantages, grad clip, AdamW, scheduler). ``micro_batch_size`` is B*G
-(one scoring forward/backward per step, like TRL with
-``gradient_accumulation_steps=1``; ``--micro-batch`` changes it). No
+three (advantages, grad clip, AdamW, scheduler). Next to the wall time, the
+process CPU time of each step is printed (``CPU s/step``; ours: the trainer's
+clock is wrapped so that the same two stamps that bound ``time/total`` also
+record ``time.process_time()``): with one thread it is close to the wall time
+on an idle machine and much less sensitive to other jobs on a shared one.
+``micro_batch_size`` is B*G (one scoring forward/backward per step, like TRL
+with ``gradient_accumulation_steps=1``; ``--micro-batch`` changes it). No
 evaluation, checkpoints only at the end (outside the timed steps). The first
 step of every run is a warm-up and is dropped; the rest give the median. The
 ratio is median ours (text-equiv) / median TRL (goal <= 1.0); ours
@@ -70,7 +78,10 @@ elasticmem.backbone fetch smollm2`` once (skipped with a message otherwise).
 Threads: ``--threads 1`` by default (on a shared 2-core machine two intra-op
 threads fighting other jobs make small ops 5-10x slower and times swing); the
 three runs of a model run one after another in this process, so a busy
-machine affects them all; the load average is printed.
+machine affects them unevenly; the load average is printed. On the shared
+machine this was written on, the tiny model's ratio (a step is ~30-60 ms,
+mostly fixed Python overhead) moved between 1.1x and 1.5x from run to run, and
+SmolLM2's between 0.6x and 0.85x.
 """
 
 from __future__ import annotations
@@ -86,24 +97,25 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from elasticmem.backbone import load_backbone  # noqa: E402
-from elasticmem.bank import Bank, build_bank  # noqa: E402
-from elasticmem.bank.index import TorchIndex  # noqa: E402
-from elasticmem.config import Config, load_config  # noqa: E402
-from elasticmem.data.schema import Example, load_split  # noqa: E402
-from elasticmem.data.synthetic import write_synthetic  # noqa: E402
-from elasticmem.grpo.rewards import mc_letter_reward  # noqa: E402
-from elasticmem.grpo.trainer import QuerySampler  # noqa: E402
-from elasticmem.model.elasticmem import format_options  # noqa: E402
+from elasticmem.backbone import load_backbone
+from elasticmem.bank import Bank, build_bank
+from elasticmem.bank.index import TorchIndex
+from elasticmem.config import Config, load_config
+from elasticmem.data.schema import Example, load_split
+from elasticmem.data.synthetic import write_synthetic
+from elasticmem.grpo.rewards import mc_letter_reward
+from elasticmem.grpo.trainer import QuerySampler
+from elasticmem.model.elasticmem import format_options
 
 PRESETS = {"tiny": REPO / "configs" / "tiny.yaml", "smollm2": REPO / "configs" / "quickstart.yaml"}
 PARTS = ("rollout", "score", "backward", "other")
@@ -139,27 +151,46 @@ def make_bank(backbone, cfg: Config, members: list[Example], root: Path, n_cache
     return root
 
 
+def prompt_texts(tok, cfg: Config, ex: Example) -> tuple[str, str, list[int]]:
+    """(head, tail, prompt ids) of ElasticMem's layout for ``ex``, as ``ElasticMem.encode_texts`` builds them:
+    raw: ("", question, suffix); chat: the chat template cut around the user turn, so head ends
+    with the question and tail is suffix + the assistant prompt. The prompt ids (the frozen
+    retrieval state reads their last position) are encode_texts' prompt(q)."""
+    m = cfg.memory
+    suffix = m.suffix_template.format(options=format_options(ex.choices), question=ex.question)
+    if m.prompt_template == "raw":
+        return ex.question, suffix, tok(ex.question)["input_ids"]
+    marker = "\u0000"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    before, after = text.split(marker)
+    return before + ex.question, suffix + after, tok(before + ex.question, add_special_tokens=False)["input_ids"]
+
+
 @torch.no_grad()
 def text_prompts(backbone, cfg: Config, bank_dir: Path, queries: list[Example], Z: int) -> list[dict[str, Any]]:
-    """TRL's prompts: top-Z chunk texts (exact index, frozen state at the last question token) + question + suffix."""
+    """TRL's prompts: top-Z chunk texts (exact index, frozen state at the last prompt token) + question + suffix,
+    inside the preset's prompt template (chat: all of it in the user turn)."""
     tok = backbone.tokenizer
-    if cfg.memory.prompt_template != "raw":
-        raise SystemExit("this benchmark builds raw-text prompts; the preset uses the chat template")
     bank = Bank.open(bank_dir)
     index = TorchIndex(bank)
     decoder = backbone.model.get_decoder()
     out = []
     for ex in queries:
-        ids = tok(ex.question)["input_ids"]  # = ElasticMem.encode_texts' prompt(q) under the raw template
+        head, tail, ids = prompt_texts(tok, cfg, ex)
         h = decoder(input_ids=torch.tensor([ids], device=backbone.device)).last_hidden_state[:, -1].float()
         res = index.search(h, Z, [ex.group])
         rows = [int(r) for r in res.rows[0] if r >= 0]
         chunks = [bank.chunk(r)["text"] for r in rows]
-        suffix = cfg.memory.suffix_template.format(options=format_options(ex.choices), question=ex.question)
-        prompt = "".join(c + "\n" for c in chunks) + ex.question + suffix
+        memory = "".join(c + "\n" for c in chunks)
+        # chunks before the question (raw: at the start; chat: at the start of the user turn)
+        if cfg.memory.prompt_template == "raw":
+            prompt = memory + head + tail
+        else:
+            before = head[: len(head) - len(ex.question)]
+            prompt = before + memory + ex.question + tail
         out.append({
             "prompt": prompt, "ex_id": ex.id, "rows": rows,
-            "prompt_tokens": len(tok(prompt)["input_ids"]),
+            "prompt_tokens": len(tok(prompt)["input_ids"]),  # TRL tokenizes a plain-text prompt this way
             "memory_tokens": sum(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chunks),
             "bank_chunk_tokens": sum(int(bank.chunk(r)["n_tokens"]) for r in rows),
         })
@@ -193,14 +224,16 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
             self.cur: dict[str, float] = {}
-            self.t0 = 0.0
+            self.t0 = self.c0 = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             self.cur = dict.fromkeys(("rollout", "score", "backward"), 0.0)
+            self.c0 = time.process_time()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.cur["total"] = time.perf_counter() - self.t0
+            self.cur["cpu"] = time.process_time() - self.c0
             self.steps.append(self.cur)
 
     timer = StepTimer()
@@ -244,7 +277,7 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
     rows = timer.steps
     for i, r in enumerate(rows):
         log(f"  trl step {i + 1}: {r['total']:.3f} s (rollout {r['rollout']:.3f}, score {r['score']:.3f}, "
-            f"backward {r['backward']:.3f})")
+            f"backward {r['backward']:.3f}; CPU {r['cpu']:.3f} s)")
     timed_rows = rows[1:]
     n_prompts = len(prompts)
     used = prompts[B: min(n_prompts, B * steps)]  # the prompts of the measured steps
@@ -262,23 +295,54 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
 # =========================================================================== ours
 
 
+class _Clock:
+    """Stands in for the ``time`` module inside the trainer: the same ``perf_counter`` values, each
+    call also recording the process CPU time, so a step's CPU time can be found from the wall
+    stamps that bound it (the trainer's ``time/total`` is the difference of two of them)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, float]] = []
+
+    def perf_counter(self) -> float:
+        wall = time.perf_counter()
+        self.stamps.append((wall, time.process_time()))
+        return wall
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def cpu_between(self, wall_span: float) -> float:
+        """CPU seconds between the two recorded stamps exactly ``wall_span`` apart (nan if none)."""
+        for j in range(len(self.stamps)):
+            for i in range(j - 1, -1, -1):
+                if self.stamps[j][0] - self.stamps[i][0] == wall_span:
+                    return self.stamps[j][1] - self.stamps[i][1]
+        return float("nan")
+
+
 def run_ours(preset: Path, overrides: list[str], label: str) -> dict[str, Any]:
-    from elasticmem.grpo.trainer import train
+    import elasticmem.grpo.trainer as trainer_mod
 
     cfg = load_config(str(preset), overrides)
+    clock = _Clock()
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        train(cfg)
+    trainer_mod.time = clock
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            trainer_mod.train(cfg)
+    finally:
+        trainer_mod.time = time
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/total" in r]
     steps = []
     for r in rows:
         s = {k: r[f"time/{k}"] for k in ("rollout", "score", "backward", "total")}
+        s["cpu"] = clock.cpu_between(s["total"])
         steps.append(s)
         log(f"  {label} step {r['step']}: {s['total']:.3f} s (rollout {s['rollout']:.3f}, score {s['score']:.3f}, "
-            f"backward {s['backward']:.3f}); soft tokens/traj {r['budget/mean_B_mem']:.1f}, "
+            f"backward {s['backward']:.3f}; CPU {s['cpu']:.3f} s); soft tokens/traj {r['budget/mean_B_mem']:.1f}, "
             f"#Tok/traj {r['tokens/per_trajectory']:.1f}, reward {r['reward/mean']:.2f}")
     measured = rows[1:]
     return {
@@ -296,6 +360,8 @@ def summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "s_per_step": med([r["total"] for r in rows]),
         "s_per_step_all": [r["total"] for r in rows],
+        "cpu_s_per_step": med([r["cpu"] for r in rows]),
+        "cpu_s_per_step_all": [r["cpu"] for r in rows],
         "split": {p: med([r[p] for r in rows]) for p in PARTS},
         "steps_timed": len(rows),
     }
@@ -376,6 +442,7 @@ def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
         "systems": results,
         "ratio": results["ours_text"]["s_per_step"] / trl_s,
         "ratio_default": results["ours_default"]["s_per_step"] / trl_s,
+        "cpu_ratio": results["ours_text"]["cpu_s_per_step"] / results["trl"]["cpu_s_per_step"],
     }
 
 
@@ -389,29 +456,32 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
     if not results:
         log("no results")
         return
-    w = 124
+    w = 142
     log("")
     log("=" * w)
     log(f"{'model':<8} {'system':<18} {'s/step':>8} {'ours/TRL':>9} {'rollout':>8} {'score':>8} {'backward':>9} "
-        f"{'other':>7}  {'mem tok/traj':>12} {'tok/traj':>9}  {'steps':>5}")
+        f"{'other':>7}  {'CPU s/step':>10} {'CPU ratio':>9}  {'mem tok/traj':>12} {'tok/traj':>9}  {'steps':>5}")
     log("-" * w)
     for r in results:
         for key in ("trl", "ours_text", "ours_default"):
             x = r["systems"][key]
             sp = x["split"]
             ratio = "" if key == "trl" else f"{x['s_per_step'] / r['systems']['trl']['s_per_step']:.2f}x"
+            cpu_ratio = "" if key == "trl" else f"{x['cpu_s_per_step'] / r['systems']['trl']['cpu_s_per_step']:.2f}x"
             log(f"{r['model']:<8} {LABELS[key]:<18} {x['s_per_step']:>8.3f} {ratio:>9} {sp['rollout']:>8.3f} "
                 f"{sp['score']:>8.3f} {sp['backward']:>9.3f} {sp['other']:>7.3f}  "
-                f"{x['memory_tokens_per_traj']:>12.1f} {x['tokens_per_traj']:>9.1f}  {x['steps_timed']:>5}")
+                f"{x['cpu_s_per_step']:>10.3f} {cpu_ratio:>9}  {x['memory_tokens_per_traj']:>12.1f} {x['tokens_per_traj']:>9.1f}  {x['steps_timed']:>5}")
     log("-" * w)
     for r in results:
         ok = "meets" if r["ratio"] <= goal else "misses"
         log(f"{r['model']}: ours (text-equiv) / TRL = {r['ratio']:.2f}x per step ({ok} the <= {goal:g}x goal); "
             f"ours (default) / TRL = {r['ratio_default']:.2f}x; B={r['B']}, G={r['G']}, Z={r['top_z']}, "
-            f"medians of {r['steps'] - 1} steps after a warm-up")
+            f"medians of {r['steps'] - 1} steps after a warm-up; in CPU time {r['cpu_ratio']:.2f}x")
     log("split (s, medians per part): rollout = sampling + rewards (TRL: _generate_and_score_completions, also "
         "advantages); score = the training forward + loss (TRL: compute_loss); backward; other = the rest of the "
         "step (advantages, clip, AdamW, scheduler)")
+    log("CPU s/step: process CPU time of the step (1 intra-op thread: close to the wall time on an idle machine, "
+        "and less sensitive to other jobs than s/step, which is the measure)")
     log("mem tok/traj: TRL = text tokens of the retrieved chunks in the prompt; ours = injected soft tokens "
         "(B_mem). tok/traj: TRL = prompt + completion tokens; ours = #Tok (task text + soft tokens + separators "
         "+ answer)")

@@ -99,8 +99,19 @@ def _accelerator(cfg: Config):
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]  # e.g. projector when all budgets are 0
     if not cuda and world > 1:  # DeepSpeed on CPU needs gloo (DESIGN.md section 4)
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    acc = Accelerator(cpu=not cuda, mixed_precision=mp, kwargs_handlers=handlers,
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")  # set by accelerate launch for DeepSpeed configs
+    acc = Accelerator(cpu=not cuda and not deepspeed, mixed_precision=mp, kwargs_handlers=handlers,
                       log_with=list(cfg.train.trackers) or None, project_dir=cfg.train.output_dir)
+    plugin = acc.state.deepspeed_plugin
+    if plugin is not None:
+        # DeepSpeed wants a micro-batch size and owns accumulation: it applies the optimizer
+        # only at the boundary after this many backward calls (one per scoring micro-batch).
+        t = cfg.train
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+        ds["gradient_accumulation_steps"] = math.ceil(t.batch_size * t.group_size / t.micro_batch_size)
+        ds["gradient_clipping"] = t.max_grad_norm
+        ds.pop("train_batch_size", None)
     if world > 1 and acc.num_processes != world:
         raise RuntimeError(f"launched {world} processes but accelerate sees {acc.num_processes}: on CPU use "
                            f"ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {world}")
@@ -415,6 +426,9 @@ def _reduce_normalizer(norm: Normalizer, acc) -> Normalizer:
 
 
 def _finite_grad_norm(model, acc, max_norm: float) -> float:
+    if acc.state.deepspeed_plugin is not None:  # DeepSpeed clips inside its step; report its norm
+        norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
+        return float(norm) if norm is not None else 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm > 0:
         return float(acc.clip_grad_norm_(params, max_norm))
@@ -448,6 +462,7 @@ def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state
         "tokens/per_trajectory": float(allv[:, 2].mean()),
         "skipped_steps": state["skipped_steps"],
         "processes": acc.num_processes,
+        "distributed_type": str(acc.distributed_type.value),
         **{f"time/{k}": v for k, v in times.items()},
     }
     return row

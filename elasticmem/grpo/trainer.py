@@ -266,7 +266,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
                 shutil.rmtree(tmp)
             core.save_pretrained(tmp)
-            ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()})
+            ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()},
+                                     with_optimizer=acc.state.deepspeed_plugin is None)
         acc.wait_for_everyone()
         ckpt.save_rng(tmp, rank)
         acc.wait_for_everyone()

@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -125,20 +126,26 @@ def load_rng(dir_: Path, rank: int) -> None:
     set_rng_state(load_file(str(path)), json.loads((dir_ / f"rng_rank{rank}.json").read_text()))
 
 
-def write_trainer_state(tmp: Path, optimizer, scheduler, state: dict[str, Any]) -> None:
+def write_trainer_state(tmp: Path, optimizer, scheduler, state: dict[str, Any], with_optimizer: bool = True) -> None:
+    """``with_optimizer=False`` (DeepSpeed ZeRO, whose sharded optimizer state has another
+    layout): the model, scheduler, RNG and data position are saved, the AdamW moments are not."""
     ts = tmp / "trainer_state"
     ts.mkdir(parents=True, exist_ok=True)
-    tensors, meta = optimizer_to_files(optimizer)
-    save_file(tensors, ts / "optimizer.safetensors")
-    _write_json(ts / "optimizer.json", meta)
+    if with_optimizer:
+        tensors, meta = optimizer_to_files(optimizer)
+        save_file(tensors, ts / "optimizer.safetensors")
+        _write_json(ts / "optimizer.json", meta)
     _write_json(ts / "scheduler.json", scheduler_to_json(scheduler))
     _write_json(ts / "state.json", state)
 
 
 def read_trainer_state(ckpt: Path, optimizer, scheduler) -> dict[str, Any]:
     ts = ckpt / "trainer_state"
-    optimizer_from_files(optimizer, load_file(str(ts / "optimizer.safetensors")),
-                         json.loads((ts / "optimizer.json").read_text()))
+    if (ts / "optimizer.safetensors").is_file():
+        optimizer_from_files(optimizer, load_file(str(ts / "optimizer.safetensors")),
+                             json.loads((ts / "optimizer.json").read_text()))
+    else:
+        warnings.warn(f"{ckpt} holds no optimizer state (written under DeepSpeed): AdamW restarts its moments")
     sd = scheduler.state_dict()
     sd.update(json.loads((ts / "scheduler.json").read_text()))
     scheduler.load_state_dict(sd)

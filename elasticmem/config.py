@@ -209,6 +209,9 @@ class TrainConfig:
     """Passes over the training queries (paper: 10); ignored when max_steps > 0."""
     max_steps: int = 0
     """Rollout steps to run; 0 = derived from epochs."""
+    stop_after_steps: int = 0
+    """Stop this invocation after this many steps, with a checkpoint, so that the next one
+    resumes (for job time limits, e.g. a requeued SLURM job); 0 = run to the end."""
     batch_size: int = 4
     """Queries per rollout step per process (B); each gets group_size trajectories."""
     group_size: int = 4

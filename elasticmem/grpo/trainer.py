@@ -40,6 +40,7 @@ from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem
 from elasticmem.grpo.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import save as save_config
+from elasticmem.utils.distributed import full_parameters
 
 
 # --------------------------------------------------------------------------- data order
@@ -239,13 +240,17 @@ def train(cfg: Config) -> dict[str, Any]:
     optimizer = _optimizer(model, cfg)
     scheduler = _scheduler(optimizer, total * t.num_iterations, cfg)
     model, optimizer = acc.prepare(model, optimizer)
+    deepspeed = acc.state.deepspeed_plugin is not None
     core = acc.unwrap_model(model)
 
     state: dict[str, Any] = {"step": 0, "optimizer_steps": 0, "skipped_steps": 0, "sampler": sampler.state()}
     last = ckpt.latest_checkpoint(ckroot) if t.resume else None
     if last is not None:
-        core.load_weights(last)
+        with full_parameters(acc, model, modifier_rank=0):
+            core.load_weights(last)
         state = ckpt.read_trainer_state(last, optimizer, scheduler)
+        if deepspeed:
+            ckpt.load_sharded_optimizer(last, rank, world, model.optimizer)
         ckpt.load_rng(last, rank)
         sampler.epoch, sampler.offset = state["sampler"]["epoch"], state["sampler"]["offset"]
         if main:
@@ -265,16 +270,22 @@ def train(cfg: Config) -> dict[str, Any]:
                 import shutil
 
                 shutil.rmtree(tmp)
-            core.save_pretrained(tmp)
+        with full_parameters(acc, model):
+            if main:
+                core.save_pretrained(tmp)
+        if main:
             ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()},
                                      with_optimizer=acc.state.deepspeed_plugin is None)
         acc.wait_for_everyone()
         ckpt.save_rng(tmp, rank)
+        if deepspeed:
+            ckpt.save_sharded_optimizer(tmp, rank, model.optimizer)
         acc.wait_for_everyone()
         if main:
             ckpt.finalize(ckroot, state["step"], t.keep_last)
         acc.wait_for_everyone()
 
+    first_step = state["step"]
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, initial=state["step"], desc="GRPO", unit="step", disable=not main, file=sys.stderr,
@@ -291,7 +302,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if t.replay_rollouts:
                 traj = _load_rollout(Path(t.replay_rollouts), step, rank, world, batch)
             else:
-                traj = core.sample(batch, t.group_size, t.temperature)
+                with full_parameters(acc, model):
+                    traj = core.sample(batch, t.group_size, t.temperature)
             if t.record_rollouts:
                 _save_rollout(Path(t.record_rollouts), step, rank, traj)
             rewards = torch.tensor([reward_fn(a, batch[q]) for a, q in zip(traj.answers, traj.query_index.tolist())])
@@ -304,7 +316,8 @@ def train(cfg: Config) -> dict[str, Any]:
             norm = Normalizer.from_masks(masks, core.cfg.max_new_tokens, keep,
                                          with_control=core.cfg.retrieval == "control")
             norm = _reduce_normalizer(norm, acc)
-            ref = _reference_logps(core, traj, t.loss.kl_beta)
+            with full_parameters(acc, model):
+                ref = _reference_logps(core, traj, t.loss.kl_beta)
             # ---- optimisation
             model.train()
             old: list[PartLogProbs] = []
@@ -332,17 +345,32 @@ def train(cfg: Config) -> dict[str, Any]:
                         )
                         tb = time.perf_counter()
                         finite &= bool(torch.isfinite(loss))
-                        if finite:
+                        if deepspeed:
+                            # DeepSpeed owns accumulation: the last micro-batch is the boundary
+                            # where it reduces gradients. The loss is already normalised over
+                            # the whole batch, hence no 1/accumulation scaling; a non-finite
+                            # gradient makes DeepSpeed skip its step (checked below).
+                            model.set_gradient_accumulation_boundary(mi == len(micro) - 1)
+                            model.backward(loss * world, scale_wrt_gas=False)
+                        elif finite:
                             acc.backward(loss * world)
                         t_score += tb - ts
                         t_back += time.perf_counter() - tb
                     for k, v in m.items():
                         metrics_acc[k] += float(v) * len(ids) / len(traj) / t.num_iterations
                     metrics_acc["loss"] += float(loss.detach()) / t.num_iterations
-                grad_norm = _finite_grad_norm(model, acc, t.max_grad_norm) if finite else float("nan")
-                ok = torch.tensor(float(finite and math.isfinite(grad_norm)), device=acc.device)
-                if bool(acc.reduce(ok, reduction="sum") == world):
-                    optimizer.step()
+                if deepspeed:
+                    skipped_before = model.skipped_steps
+                    model.step()  # clips, steps (or skips on a non-finite gradient), zeroes gradients
+                    grad_norm = float(model.get_global_grad_norm() or 0.0)
+                    stepped = model.skipped_steps == skipped_before
+                else:
+                    grad_norm = _finite_grad_norm(model, acc, t.max_grad_norm) if finite else float("nan")
+                    ok = torch.tensor(float(finite and math.isfinite(grad_norm)), device=acc.device)
+                    stepped = bool(acc.reduce(ok, reduction="sum") == world)
+                    if stepped:
+                        optimizer.step()
+                if stepped:
                     scheduler.step()
                     state["optimizer_steps"] += 1
                 else:
@@ -367,10 +395,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 history.append(row)
             bar.update(1)
             if t.eval_every and step % t.eval_every == 0 and t.eval_split:
-                ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
+                with full_parameters(acc, model):
+                    ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
                 if main:
                     _append_jsonl(metrics_path, {"step": step, "eval": ev})
             stop_now = bool(acc.reduce(torch.tensor(float(stop.set), device=acc.device), reduction="sum") > 0)
+            stop_now |= t.stop_after_steps > 0 and step - first_step >= t.stop_after_steps and step < total
             if step % t.save_every == 0 or step == total or stop_now:
                 save_checkpoint()
             if stop_now:
@@ -378,10 +408,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 return {"stopped_at": step, "history": history}
     bar.close()
     result: dict[str, Any] = {"steps": state["step"], "skipped_steps": state["skipped_steps"], "history": history}
-    if main:
-        core.save_pretrained(out / "final")
+    with full_parameters(acc, model):
+        if main:
+            core.save_pretrained(out / "final")
+        if t.eval_split:
+            ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
     if t.eval_split:
-        ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
         result["eval"] = ev
         if main:
             (out / f"eval_{t.eval_split}.json").write_text(json.dumps(ev, indent=1))
@@ -427,9 +459,6 @@ def _reduce_normalizer(norm: Normalizer, acc) -> Normalizer:
 
 
 def _finite_grad_norm(model, acc, max_norm: float) -> float:
-    if acc.state.deepspeed_plugin is not None:  # DeepSpeed clips inside its step; report its norm
-        norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
-        return float(norm) if norm is not None else 0.0
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm > 0:
         return float(acc.clip_grad_norm_(params, max_norm))

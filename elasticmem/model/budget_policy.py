@@ -303,7 +303,10 @@ class BudgetPolicy(nn.Module):
         # zero absent slots before the projection: NaN garbage there would otherwise reach the
         # other slots through 0-weight attention (0 * NaN) and the weight gradients
         features = torch.where(mask[..., None], features, 0.0)
-        return self.input_proj(features) + self.rank_embedding.weight[: keys.shape[1]]
+        # Called as a module, not indexed through .weight: ZeRO-3 gathers a partitioned
+        # parameter only inside its module's forward.
+        ranks = torch.arange(keys.shape[1], device=features.device)
+        return self.input_proj(features) + self.rank_embedding(ranks)
 
     def _decision_tokens(self, classes: Tensor, mask: Tensor) -> Tensor:
         """[N, Z] long: the decision token slot j sees (start, class of b_{j-1} + 1, or absent)."""

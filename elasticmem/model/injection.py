@@ -59,19 +59,24 @@ def assemble(
     """
     weight = embedding.weight
     device, dtype = weight.device, weight.dtype
-    sep_t = torch.as_tensor(list(sep), dtype=torch.long, device=device)
-    seqs, query_idx = [], []
+    # All token pieces of the batch go through the embedding in one call (one kernel, and
+    # one parameter gather under ZeRO-3), then are cut apart again.
+    pieces: list[list[int]] = []
+    query_idx = []
     for lay in layouts:
         head = lay.prompt + ([lay.control] if lay.control is not None else [])
-        parts = [embedding(torch.as_tensor(head, dtype=torch.long, device=device))]
         query_idx.append(len(head) - 1)
-        sep_e = embedding(sep_t) if lay.memories else None
+        pieces += [head, list(sep), lay.suffix + lay.answer]
+    flat = torch.as_tensor([t for p in pieces for t in p], dtype=torch.long, device=device)
+    embedded = iter(embedding(flat).split([len(p) for p in pieces]))
+    seqs = []
+    for lay in layouts:
+        head_e, sep_e, tail_e = next(embedded), next(embedded), next(embedded)
+        parts = [head_e]
         for mem in lay.memories:
             parts.append(mem.to(device=device, dtype=dtype))
             parts.append(sep_e)
-        tail = lay.suffix + lay.answer
-        if tail:
-            parts.append(embedding(torch.as_tensor(tail, dtype=torch.long, device=device)))
+        parts.append(tail_e)
         seqs.append(torch.cat(parts, dim=0))
     lengths = torch.tensor([s.shape[0] for s in seqs], device=device)
     L = int(lengths.max())

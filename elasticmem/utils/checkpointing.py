@@ -77,6 +77,66 @@ def scheduler_to_json(sched) -> dict[str, Any]:
     return sd
 
 
+# --------------------------------------------------------------------------- nested states (DeepSpeed)
+
+
+def nested_to_files(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state (dicts, lists, tensors, scalars, a few objects) into tensors and JSON.
+
+    DeepSpeed's ZeRO optimizers keep a per-process state dict that mixes tensors with
+    objects (its loss scaler, an enum); ``torch.save`` would pickle those. Here tensors go to
+    safetensors by path, containers and scalars to JSON, enums by name and other objects as
+    their JSON-able attributes; ``nested_from_files`` rebuilds the state on top of a live
+    one, which provides the objects.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x.detach().cpu().contiguous()
+            return {"__tensor__": path}
+        if isinstance(x, dict):
+            return {"__dict__": [[k, enc(v, f"{path}.{k}")] for k, v in x.items()]}
+        if isinstance(x, (list, tuple)):
+            return {"__list__" if isinstance(x, list) else "__tuple__": [enc(v, f"{path}.{i}") for i, v in enumerate(x)]}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        import enum
+
+        if isinstance(x, enum.Enum):
+            return {"__enum__": x.name}
+        attrs = {k: v for k, v in vars(x).items() if v is None or isinstance(v, (bool, int, float, str))}
+        return {"__object__": type(x).__name__, "attrs": attrs}
+
+    return tensors, enc(obj, "s")
+
+
+def nested_from_files(tensors: dict[str, torch.Tensor], meta: Any, live: Any) -> Any:
+    """Inverse of ``nested_to_files``; ``live`` (the same kind of state, freshly made) supplies
+    the objects, whose saved attributes are set back."""
+
+    def dec(m: Any, cur: Any) -> Any:
+        if not isinstance(m, dict):
+            return m
+        if "__tensor__" in m:
+            return tensors[m["__tensor__"]]
+        if "__dict__" in m:
+            cur = cur if isinstance(cur, dict) else {}
+            return {k: dec(v, cur.get(k)) for k, v in m["__dict__"]}
+        for kind, typ in (("__list__", list), ("__tuple__", tuple)):
+            if kind in m:
+                cur = cur if isinstance(cur, (list, tuple)) else []
+                return typ(dec(v, cur[i] if i < len(cur) else None) for i, v in enumerate(m[kind]))
+        if cur is None:
+            raise ValueError(f"cannot rebuild a saved {m.get('__object__') or m.get('__enum__')!r}: "
+                             f"the live state has nothing at its place")
+        for k, v in m.get("attrs", {}).items():
+            setattr(cur, k, v)
+        return cur
+
+    return dec(meta, live)
+
+
 # --------------------------------------------------------------------------- RNG
 
 
@@ -127,8 +187,8 @@ def load_rng(dir_: Path, rank: int) -> None:
 
 
 def write_trainer_state(tmp: Path, optimizer, scheduler, state: dict[str, Any], with_optimizer: bool = True) -> None:
-    """``with_optimizer=False`` (DeepSpeed ZeRO, whose sharded optimizer state has another
-    layout): the model, scheduler, RNG and data position are saved, the AdamW moments are not."""
+    """``with_optimizer=False`` under DeepSpeed ZeRO, whose optimizer state is sharded: every
+    process writes its own shard with ``save_sharded_optimizer``."""
     ts = tmp / "trainer_state"
     ts.mkdir(parents=True, exist_ok=True)
     if with_optimizer:
@@ -144,12 +204,36 @@ def read_trainer_state(ckpt: Path, optimizer, scheduler) -> dict[str, Any]:
     if (ts / "optimizer.safetensors").is_file():
         optimizer_from_files(optimizer, load_file(str(ts / "optimizer.safetensors")),
                              json.loads((ts / "optimizer.json").read_text()))
-    else:
-        warnings.warn(f"{ckpt} holds no optimizer state (written under DeepSpeed): AdamW restarts its moments")
+    elif not list(ts.glob("optimizer_rank*.safetensors")):
+        warnings.warn(f"{ckpt} holds no optimizer state: AdamW restarts its moments")
     sd = scheduler.state_dict()
     sd.update(json.loads((ts / "scheduler.json").read_text()))
     scheduler.load_state_dict(sd)
     return json.loads((ts / "state.json").read_text())
+
+
+def save_sharded_optimizer(dir_: Path, rank: int, zero_optimizer) -> None:
+    """This process's shard of a DeepSpeed ZeRO optimizer (AdamW moments and fp32 master weights)."""
+    ts = dir_ / "trainer_state"
+    ts.mkdir(parents=True, exist_ok=True)
+    tensors, meta = nested_to_files(zero_optimizer.state_dict())
+    save_file({k: v.clone() for k, v in tensors.items()}, ts / f"optimizer_rank{rank}.safetensors")
+    _write_json(ts / f"optimizer_rank{rank}.json", meta)
+
+
+def load_sharded_optimizer(ckpt: Path, rank: int, world: int, zero_optimizer) -> None:
+    """Restore this process's ZeRO shard; the checkpoint must come from as many processes."""
+    ts = ckpt / "trainer_state"
+    path = ts / f"optimizer_rank{rank}.safetensors"
+    written = len(list(ts.glob("optimizer_rank*.safetensors")))
+    if not path.is_file() or written != world:
+        raise FileNotFoundError(f"{ckpt} holds ZeRO optimizer shards from {written} process(es), this run has "
+                                f"{world}: resume with the same number of processes")
+    sd = nested_from_files(load_file(str(path)), json.loads((ts / f"optimizer_rank{rank}.json").read_text()),
+                           zero_optimizer.state_dict())
+    # ZeRO loaders take every process's state and read their own rank's entry.
+    shards = [sd if r == rank else None for r in range(world)]
+    zero_optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
 def tmp_dir(root: Path, step: int) -> Path:

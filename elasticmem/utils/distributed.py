@@ -8,7 +8,9 @@ processes did not join one group.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
@@ -28,3 +30,45 @@ def process_state():
             f"--num_processes {world} ...)"
         )
     return state
+
+
+def is_zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def full_parameters(accelerator, model, modifier_rank: int | None = None) -> Iterator[None]:
+    """Make every parameter whole on every process while the block runs (a no-op but under ZeRO-3).
+
+    ZeRO-3 keeps only a shard of each parameter per process and gathers it inside the
+    engine's forward. Sampling, greedy evaluation, the reference forward and saving run the
+    unwrapped model outside that forward, so they gather everything first and take the
+    engine's hooks off meanwhile (the hooks would re-partition the weights after each
+    submodule), as TRL's ``unwrap_model_for_generation`` does. ``modifier_rank`` (e.g. 0
+    when loading weights) broadcasts that process's changes on exit. A collective: call it
+    on every process.
+    """
+    if not is_zero3(accelerator):
+        yield
+        return
+    import deepspeed
+
+    offload = getattr(model, "optimizer", None)
+    offload = getattr(offload, "parameter_offload", offload)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank):
+        hooked = offload is not None and hasattr(offload, "forward_hooks")
+        if hooked:
+            for p in model.parameters():
+                getattr(p, "ds_active_sub_modules", set()).clear()
+            for h in offload.forward_hooks + offload.backward_hooks:
+                h.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            if hooked:
+                coordinator = getattr(offload, "param_coordinator", None)
+                if coordinator is not None and not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()
+                offload._register_deepspeed_module(offload.module)

@@ -222,3 +222,24 @@ def test_ctrl_c_writes_a_checkpoint(tiny_setup, tmp_path):
     assert last is not None and "stopped_at" in stdout
     state = json.loads((last / "trainer_state" / "state.json").read_text())
     assert last.name == f"step_{state['step']:06d}" and state["step"] == _metrics(out)[-1]["step"]
+
+
+def test_tensorboard_tracker_logs_the_metrics(tiny_setup, tmp_path):
+    """train.trackers=[tensorboard] writes the same scalars as metrics.jsonl, per step."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e .[dev])")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from elasticmem.grpo import trainer
+
+    out = tmp_path / "tb"
+    trainer.train(_cfg(tiny_setup, out, "train.max_steps=3", "train.eval_split=", "train.trackers=[tensorboard]"))
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events, f"no event file under {out}"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    rows = _metrics(out)
+    for key in ("reward/mean", "loss", "budget/mean_B_mem"):
+        logged = {e.step: e.value for e in acc.Scalars(key)}
+        assert sorted(logged) == [r["step"] for r in rows], key
+        for r in rows:
+            assert logged[r["step"]] == pytest.approx(r[key], rel=1e-5, abs=1e-6), (key, r["step"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.data.synthetic import SyntheticConfig
 from elasticmem.grpo.loss import LossConfig
 from elasticmem.model.budget_policy import BudgetPolicyConfig
@@ -164,11 +165,19 @@ class LoraConfig:
 class MemoryConfig:
     """The ElasticMem model: retrieval, budgets, projection, injection (DESIGN.md section 1 items 2-5)."""
 
-    retrieval: Literal["control", "query_only", "frozen", "semantic"] = "control"
+    retrieval: Literal["control", "query_only", "frozen", "semantic", "recent"] = "control"
     """Query state for retrieval: 'control' = reasoner state at a sampled retrieval-control token
     (the method); 'query_only' = reasoner state at the last prompt token, no control token;
     'frozen' = the same with the adapter disabled; 'semantic' = all-MiniLM-L6-v2 embedding of the
-    question against MiniLM embeddings of the chunk texts."""
+    question against MiniLM embeddings of the chunk texts; 'recent' = no search: the group's
+    latest chunks, oldest first, as many as fit in recent_max_tokens and top_z (the
+    full-context baseline)."""
+    injection: Literal["latent", "text"] = "latent"
+    """How retrieved memories enter the reasoner: 'latent' = b_j projected cached states per
+    memory (the method); 'text' = the chunk's tokens as plain text, no budget policy (the
+    text-RAG baseline and, trained by GRPO, the paper's text-memory control)."""
+    recent_max_tokens: int = 2048
+    """Token budget of the memories under retrieval='recent' (history truncated from the oldest)."""
     top_z: int = 20
     """Z: memories retrieved per query (paper: PersonaMem-32K 9, -128K 21, LoCoMo/LongMemEval 20,
     ALFWorld 10). A group with fewer chunks gives what it has."""
@@ -271,6 +280,42 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """evaluate.py: greedy evaluation of a checkpoint, a baseline or a list of variants."""
+
+    system: Literal["elasticmem", "no_memory", "text_rag", "full_context", "amem"] = "elasticmem"
+    """What answers: 'elasticmem' (latent memories); 'no_memory' (the reasoner alone, top_z=0);
+    'text_rag' (the same top-Z retrieval, chunks inserted as plain text; retrieval by
+    memory.retrieval, e.g. frozen or semantic); 'full_context' (the latest history that fits in
+    memory.recent_max_tokens, as text); 'amem' (A-Mem notes, see amem.*). The first four share
+    the ElasticMem code path, so a checkpoint trained with memory.injection=text is the paper's
+    text-memory + GRPO control."""
+    checkpoint: str | None = None
+    """A saved model (train.output_dir/final or a checkpoints/step_XXXXXX folder): its LoRA,
+    policy and projector are loaded and its memory settings used, with memory.* overrides given
+    on the command line (or by a variant) applied on top. null = the untrained base model."""
+    split: str = "test"
+    """Split of data.dir to evaluate."""
+    limit: int = 0
+    """Evaluate only the first N examples of the split (quick runs); 0 = all."""
+    batch_size: int = 8
+    """Examples per greedy batch (per process)."""
+    output_dir: str = "runs/eval/default"
+    """Where results.json, predictions.jsonl, report.md, plots and case_study.md go (one
+    subfolder per variant when eval.variants is set). Rerunning resumes: predictions already
+    written are not recomputed."""
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    """Several systems or ablations in one command: {name: [key=value, ...]} applied on top of the
+    config, e.g. {no_memory: [eval.system=no_memory], clip4: [memory.policy.clip_budget=4]}; each
+    is evaluated on the same examples and comparison.md / accuracy_vs_tokens.png compare them."""
+    case_studies: int = 5
+    """Examples dumped to case_study.md with question, gold, prediction and the retrieved chunks'
+    text, rank, score and budget."""
+    plots: bool = True
+    """Draw the budget plots (heat map by rank, budget vs score, histogram) next to results.json."""
+
+
+@dataclass
 class Config:
     """Top level: one file configures preparation, bank building, training and evaluation."""
 
@@ -288,6 +333,10 @@ class Config:
     """The ElasticMem model."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """GRPO training."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation (evaluate.py)."""
+    amem: AMemConfig = field(default_factory=AMemConfig)
+    """The A-Mem baseline (eval.system=amem)."""
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -1,28 +1,119 @@
 """Prepare a dataset in the shared example schema (train/val/test JSONL + stats.json).
 
     python -m elasticmem.data.prepare synthetic --config configs/quickstart.yaml [key=value ...]
+    python -m elasticmem.data.prepare DATASET --input PATH [PATH ...] --out DIR [--seed N] [--skip-invalid]
+                                      [--splits DIR]
 
 ``synthetic`` writes the generated task (knobs under ``data.synthetic``) to
 ``data.dir``; it needs no download and is deterministic by ``seed``.
+
+The real benchmarks read files you downloaded yourself (nothing is fetched):
+
+    locomo-qa               locomo10.json -> free-form QA with categories (A-Mem-style F1/BLEU)
+    locomo-mc10             locomo10.json -> 10-way MC built locally (distractors by seed)
+    locomo-mc10-jsonl       published LoCoMo MC-10 JSONL (Percena locomo-mc10), read as is
+    longmemeval             longmemeval_{s,m,oracle}.json -> free-form QA, streamed
+    longmemeval-mc10-jsonl  published LongMemEval MC-10 JSONL (Percena lme-mc10)
+    personamem              questions_{32k,128k}.csv + shared_contexts_{32k,128k}.jsonl -> MC-4
+
+Each writes DIR/{train,val,test}.jsonl, DIR/splits/{train,val,test}_ids.txt
+(the frozen split: conversation, question or context ids) and DIR/stats.json.
+``--splits DIR`` reuses frozen lists instead of drawing the split;
+``--skip-invalid`` logs and counts invalid records instead of stopping at the
+first. Formats, splits and errors: docs/datasets.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
+from typing import Any
 
 from elasticmem.utils.configuration import parse_cli
 
+SYNTHETIC = "synthetic"
+REAL = ("locomo-qa", "locomo-mc10", "locomo-mc10-jsonl", "longmemeval", "longmemeval-mc10-jsonl", "personamem")
+DATASETS = (SYNTHETIC, *REAL)
+
+
+def _usage() -> str:
+    return (f"usage: python -m elasticmem.data.prepare synthetic --config PATH [key=value ...]\n"
+            f"       python -m elasticmem.data.prepare {{{','.join(REAL)}}} --input PATH [PATH ...] --out DIR "
+            f"[--seed N] [--skip-invalid] [--splits DIR]\n"
+            f"       python -m elasticmem.data.prepare DATASET --help")
+
+
+def prepare_real(name: str, inputs: list[str], out: str, seed: int = 42, skip_invalid: bool = False,
+                 splits_dir: str | None = None) -> dict[str, Any]:
+    """Run one real-benchmark loader; returns what it wrote to OUT/stats.json."""
+    kw: dict[str, Any] = {"seed": seed, "skip_invalid": skip_invalid, "splits_dir": splits_dir}
+    if name.startswith("locomo"):
+        from elasticmem.data.locomo import prepare_locomo
+
+        return prepare_locomo(name, inputs, out, **kw)
+    if name.startswith("longmemeval"):
+        from elasticmem.data.longmemeval import prepare_longmemeval
+
+        return prepare_longmemeval(name, inputs, out, **kw)
+    if name == "personamem":
+        from elasticmem.data.personamem import prepare_personamem
+
+        return prepare_personamem(inputs, out, **kw)
+    raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+
+
+def _real_main(name: str, rest: list[str]) -> int:
+    from elasticmem.data.schema import SchemaError
+
+    p = argparse.ArgumentParser(prog=f"python -m elasticmem.data.prepare {name}",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="source file(s); personamem takes the questions CSV and the contexts JSONL")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (the config's data.dir)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="split seed (LongMemEval, PersonaMem) and distractor seed (locomo-mc10); default 42")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="log and count invalid records in stats.json instead of stopping at the first")
+    p.add_argument("--splits", metavar="DIR", default=None,
+                   help="reuse frozen split lists DIR/{train,val,test}_ids.txt instead of drawing the split")
+    args = p.parse_args(rest)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        stats = prepare_real(name, args.input, args.out, args.seed, args.skip_invalid, args.splits)
+    except (SchemaError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"prepare {name}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"prepared {name} in {args.out} (split by {stats['split']['unit']}):")
+    for split in ("train", "val", "test"):
+        _print_split(split, stats["splits"][split])
+    skipped = stats["skipped"]
+    if skipped["total"]:
+        print(f"  skipped {skipped['total']} invalid record(s): {skipped['by_reason']} (see stats.json)")
+    for key in ("excluded",):
+        if stats.get(key):
+            print(f"  {key}: {stats[key]}")
+    return 0
+
+
+def _print_split(split: str, s: dict[str, Any]) -> None:
+    types = ", ".join(f"{k} {v}" for k, v in sorted(s["question_types"].items()))
+    print(f"  {split:5s} {s['examples']:6d} questions, {s['groups']:5d} groups, {s['sessions']:6d} sessions, "
+          f"{s['turns']:7d} turns, {s['chunks']:7d} chunks ({types})")
+
 
 def main(argv: list[str] | None = None) -> int:
-    from elasticmem.config import Config
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    datasets = ("synthetic",)
-    if not argv or argv[0] not in datasets:
-        print(f"usage: python -m elasticmem.data.prepare {{{','.join(datasets)}}} --config PATH [key=value ...]",
-              file=sys.stderr)
+    if not argv or argv[0] not in DATASETS:
+        print(_usage(), file=sys.stderr)
         return 2
     name, rest = argv[0], argv[1:]
+    if name != SYNTHETIC:
+        return _real_main(name, rest)
+
+    from elasticmem.config import Config
+
     cfg, _ = parse_cli(Config, rest, prog=f"python -m elasticmem.data.prepare {name}", description=__doc__)
     from elasticmem.data.synthetic import write_synthetic
 

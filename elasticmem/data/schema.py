@@ -7,6 +7,11 @@ One example a line::
      "history": [[{"role": str, "content": str, "date"?: str, "speaker"?: str}, ...], ...],
      "answer_text"?: str}
 
+Multiple-choice examples have at least 2 ``choices`` and ``answer_index`` in
+range. Free-form examples (e.g. LoCoMo QA scored by F1/BLEU) have
+``choices: []``, ``answer_index: -1`` and a non-empty ``answer_text``, the
+reference answer; ``Example.is_free_form`` tells them apart.
+
 ``history`` is a list of sessions, each a list of turns. Examples that share a
 history share a ``group`` (conversation or context id): the bank is built once
 per group. ``group`` defaults to ``id`` when absent.
@@ -69,8 +74,14 @@ class Example:
             object.__setattr__(self, "group", self.id)
 
     @property
+    def is_free_form(self) -> bool:
+        """True for a free-form QA example: no choices, the reference answer in ``answer_text``."""
+        return not self.choices
+
+    @property
     def answer_letter(self) -> str:
-        return chr(ord("a") + self.answer_index)
+        """The gold option letter ("a", "b", ...); "" for a free-form example, which has none."""
+        return "" if self.is_free_form else chr(ord("a") + self.answer_index)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -108,13 +119,28 @@ class Example:
         where = f"{where} (id {ex_id!r})"
         question = need("question", str)
         choices = need("choices", list)
-        if len(choices) < 2:
+        answer_index = need("answer_index", int)
+        answer_text = d.get("answer_text")
+        if answer_text is not None and not isinstance(answer_text, str):
+            raise SchemaError(f"{where}: field 'answer_text' must be a string")
+        if not choices:
+            # Free-form QA: the reference answer is the text itself, so it must be there.
+            if answer_index != -1:
+                raise SchemaError(
+                    f"{where}: field 'answer_index' = {answer_index} but 'choices' is empty; a free-form "
+                    "example has answer_index -1 and its reference answer in 'answer_text'"
+                )
+            if not (answer_text or "").strip():
+                raise SchemaError(
+                    f"{where}: field 'answer_text' is missing or empty; a free-form example (empty "
+                    "'choices') needs its reference answer there"
+                )
+        elif len(choices) < 2:
             raise SchemaError(f"{where}: field 'choices' needs at least 2 options, got {len(choices)}")
         for i, c in enumerate(choices):
             if not isinstance(c, str):
                 raise SchemaError(f"{where}: field 'choices[{i}]' must be str, got {type(c).__name__}")
-        answer_index = need("answer_index", int)
-        if not 0 <= answer_index < len(choices):
+        if choices and not 0 <= answer_index < len(choices):
             raise SchemaError(
                 f"{where}: field 'answer_index' = {answer_index} is outside the {len(choices)} choices"
             )
@@ -140,9 +166,6 @@ class Example:
             history.append(turns)
         known = {"id", "source", "group", "question", "choices", "answer_index", "question_type",
                  "history", "answer_text"}
-        answer_text = d.get("answer_text")
-        if answer_text is not None and not isinstance(answer_text, str):
-            raise SchemaError(f"{where}: field 'answer_text' must be a string")
         group = d.get("group", "")
         if not isinstance(group, (str, int)):
             raise SchemaError(f"{where}: field 'group' must be a string")

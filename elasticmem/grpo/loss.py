@@ -222,7 +222,8 @@ class PartMasks:
     @classmethod
     def of(cls, traj: Trajectories) -> PartMasks:
         """From rollout ``Trajectories`` (control -1 means no control token)."""
-        return cls(traj.control >= 0, traj.mask.bool(), traj.answer_mask.bool())
+        budget = traj.mask.bool() & getattr(traj, "budget_actions", True)
+        return cls(traj.control >= 0, budget, traj.answer_mask.bool())
 
     def select(self, index: slice | Tensor) -> PartMasks:
         """The trajectories ``index``, as ``PartLogProbs.select``."""

@@ -99,6 +99,8 @@ class Trajectories:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of the batch's phases: 'retrieval' (prompt encoding, query states, search), 'policy'
     (budget allocation), 'generation' (projection, injection, decoding)."""
+    budget_actions: bool = True
+    """False when no policy chose the budgets (text injection): no budget term in the loss."""
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -191,6 +193,7 @@ class ElasticMem(nn.Module):
         self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
         self.eos_ids = self._eos_ids()
         self._warned: set[str] = set()
+        self._chunk_tokens: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ parts
 
@@ -251,6 +254,9 @@ class ElasticMem(nn.Module):
         if mode == "semantic":
             h = self.semantic.encode_queries(questions).to(device).repeat_interleave(G, 0)
             return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
+        if mode == "recent":  # no query: the latest chunks are taken
+            h = torch.zeros(B * G, self.bank.hidden_size, device=device)
+            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
         L = max(len(p) for p in prompts)
         ids = torch.full((B, L), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(B, L, dtype=torch.long)
@@ -286,6 +292,9 @@ class ElasticMem(nn.Module):
         if Z == 0:  # the no-memory control: nothing retrieved, nothing injected
             empty = torch.zeros(len(groups), 0)
             return empty.long(), empty, empty.bool()
+        if self.cfg.retrieval == "recent":
+            rows = self._recent_rows(groups)
+            return rows, torch.zeros(rows.shape), rows >= 0
         if self.semantic is not None:
             res = self.semantic.search(h, Z, groups)
         else:
@@ -298,10 +307,29 @@ class ElasticMem(nn.Module):
         scores = torch.where(mask, res.scores, torch.zeros_like(res.scores))
         return res.rows, scores, mask
 
+    def _recent_rows(self, groups: list[str]) -> torch.Tensor:
+        """[N, Z'] the latest rows of each group, oldest first, within top_z and recent_max_tokens."""
+        chunks = self.bank.chunks()
+        per_group: dict[str, list[int]] = {}
+        for g in dict.fromkeys(groups):
+            start, end = self.bank.group_rows(g)
+            picked, used = [], 0
+            for r in range(end - 1, start - 1, -1):
+                used += chunks[r]["n_tokens"]
+                if len(picked) == self.cfg.top_z or used > self.cfg.recent_max_tokens:
+                    break
+                picked.append(r)
+            per_group[g] = picked[::-1]
+        Z = max(1, max(len(v) for v in per_group.values()))
+        rows = torch.full((len(groups), Z), -1, dtype=torch.long)
+        for i, g in enumerate(groups):
+            rows[i, : len(per_group[g])] = torch.as_tensor(per_group[g], dtype=torch.long)
+        return rows
+
     def _allocate(self, h, rows, scores, mask, greedy: bool, budgets: torch.Tensor | None = None):
         """Sample budgets (``budgets`` None) or score given ones; Z = 0 gives empty results."""
-        if rows.shape[1] == 0:
-            empty = torch.zeros(rows.shape[0], 0, device=self.device)
+        if rows.shape[1] == 0 or self.cfg.injection == "text":  # nothing for the policy to decide
+            empty = torch.zeros(rows.shape, device=self.device)
             return BudgetSample(empty.long(), empty, empty) if budgets is None else (empty, empty)
         args = (h, self._policy_inputs(h, rows), scores.to(self.device), mask.to(self.device))
         if budgets is None:
@@ -315,6 +343,8 @@ class ElasticMem(nn.Module):
     def _soft_tokens(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
         """Projected soft tokens per trajectory (memories with 0 tokens left out) and counts [N, Z]."""
         N, Z = rows.shape
+        if self.cfg.injection == "text":
+            return self._text_memories(rows)
         flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
         use = (flat_rows >= 0) & (flat_b > 0)
         counts = torch.zeros(N * Z, dtype=torch.long)
@@ -329,6 +359,32 @@ class ElasticMem(nn.Module):
                 if c[k] > 0:
                     per_traj[flat_idx // Z].append(pieces[k])
         return per_traj, counts.reshape(N, Z)
+
+    def _chunk_ids(self, row: int) -> list[int]:
+        if row not in self._chunk_tokens:
+            text = self.bank.chunk(row)["text"]
+            self._chunk_tokens[row] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._chunk_tokens[row]
+
+    def _text_memories(self, rows: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        """Text injection: each retrieved chunk's token embeddings, and token counts [N, Z]."""
+        N, Z = rows.shape
+        counts = torch.zeros(N, Z, dtype=torch.long)
+        ids = [[self._chunk_ids(int(r)) if r >= 0 else [] for r in row] for row in rows.tolist()]
+        flat = [t for row in ids for chunk in row for t in chunk]
+        per_traj: list[list[torch.Tensor]] = [[] for _ in range(N)]
+        if not flat:
+            return per_traj, counts
+        # One embedding call for the batch (one parameter gather under ZeRO-3).
+        emb = self.base.get_input_embeddings()(torch.as_tensor(flat, device=self.device))
+        pieces = iter(emb.split([len(c) for row in ids for c in row]))
+        for i, row in enumerate(ids):
+            for j, chunk in enumerate(row):
+                piece = next(pieces)
+                if chunk:
+                    per_traj[i].append(piece)
+                    counts[i, j] = len(chunk)
+        return per_traj, counts
 
     # ------------------------------------------------------------------ public API
 
@@ -396,6 +452,7 @@ class ElasticMem(nn.Module):
             num_tokens=num_tokens,
             memory_tokens=memory_tokens,
             timings={"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2},
+            budget_actions=self.cfg.injection == "latent",
         )
 
     def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:

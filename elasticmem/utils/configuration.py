@@ -167,11 +167,12 @@ def _merge(base: dict[str, Any], update: dict[str, Any], cls: type, prefix: str 
             base[k] = v
 
 
-def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
-    """Defaults <- YAML preset at ``path`` <- ``key=value`` overrides, validated."""
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+         base: T | None = None) -> T:
+    """Defaults (or ``base``) <- YAML preset at ``path`` <- ``key=value`` overrides, validated."""
     _ROOT.append(cls)
     try:
-        data = to_dict(cls())
+        data = to_dict(base if base is not None else cls())
         if path is not None:
             p = Path(path)
             if not p.is_file():
@@ -276,7 +277,7 @@ def parse_cli(
     if extra is not None:
         extra(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come between the key=value overrides
     try:
         cfg = load(cls, args.config, args.overrides)
     except ConfigError as e:

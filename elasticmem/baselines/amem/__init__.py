@@ -1,0 +1,16 @@
+"""A-Mem (Xu et al., 2025), the agentic text-memory baseline: notes with LLM-written keywords, tags
+and context, link generation, memory evolution and link-following retrieval. See docs/amem.md.
+
+    from elasticmem.baselines.amem import AMemConfig, AMemSystem
+    system = AMemSystem(AMemConfig())            # SmolLM2 + MiniLM, offline
+    predictions = system.predict(examples)       # elasticmem.eval.system.MemorySystem
+
+LoCoMo command: ``python -m elasticmem.baselines.amem.run_locomo --help``.
+"""
+
+from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
+from elasticmem.baselines.amem.memory import AgenticMemory, build_memories
+from elasticmem.baselines.amem.notes import MemoryItem, Note
+from elasticmem.baselines.amem.system import AMemSystem
+
+__all__ = ["AMemConfig", "AMemLLMConfig", "AMemSystem", "AgenticMemory", "MemoryItem", "Note", "build_memories"]

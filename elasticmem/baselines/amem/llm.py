@@ -1,0 +1,653 @@
+"""LLM backends for A-Mem and the wrapper that turns their outputs into validated JSON.
+
+Backends implement ``generate(requests, temperature, seed) -> [Completion]`` for a batch of
+chat requests, plus token counting:
+
+* ``TransformersBackend``: a local causal LM (SmolLM2-135M-Instruct offline, Qwen for users who
+  have it). With ``constrained=True`` a request's JSON schema drives a logits processor that only
+  lets through tokens that keep the output a valid prefix of the schema's canonical form
+  (``structured.Matcher``), so every finished JSON answer parses and validates by construction.
+  Requests are batched (left padding; each row keeps its own budget and stop rule).
+* ``OpenAIBackend``: any OpenAI-compatible ``/v1/chat/completions`` server (vLLM, SGLang, Ollama,
+  OpenAI), with timeouts, retries with back-off, structured output (``response_format``
+  json_schema, downgraded once to a portable schema, then JSON mode, then prompt-only when the
+  server refuses it) and concurrent requests.
+
+``StructuredLLM`` sits on top: it parses and validates JSON answers, retries the failed ones
+(sampled), and after ``json_retries`` uses a caller-given fallback, which is counted and logged,
+never silent. ``LLMStats`` keeps calls, attempts, valid answers, fallbacks, tokens and seconds
+per kind of call (note, decision, expansion, answer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from elasticmem.baselines.amem.config import AMemLLMConfig
+from elasticmem.baselines.amem.structured import Matcher, Obj, normalise, parse_json_object
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class GenRequest:
+    """One chat completion to produce."""
+
+    messages: Messages
+    max_new_tokens: int
+    schema: Obj | None = None
+    """The JSON answer's schema; None = free text."""
+    stop: tuple[str, ...] = ()
+    """Free text only: the answer is cut at the first of these strings."""
+    kind: str = "text"
+    """What the call is for (note, decision, expansion, answer): the statistics are kept per kind."""
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = True
+    """False when the generation budget ran out before the answer ended."""
+
+
+class LLMBackend(Protocol):
+    name: str
+
+    def generate(self, requests: Sequence[GenRequest], temperature: float = 0.0, seed: int = 0) -> list[Completion]:
+        """Completions in request order; temperature 0 = greedy."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of a piece of prompt text (for the task/memory split of the token accounting)."""
+        ...
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    """Logical requests (one per note, decision, question ...)."""
+    attempts: int = 0
+    """Generations, retries included."""
+    valid_attempts: int = 0
+    """Generations whose JSON parsed and validated (free-text calls: all of them)."""
+    valid_first: int = 0
+    """Requests valid at the first attempt."""
+    fallbacks: int = 0
+    """Requests that used the fallback after every attempt failed."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class LLMStats:
+    by_kind: dict[str, KindStats] = field(default_factory=dict)
+
+    def kind(self, name: str) -> KindStats:
+        return self.by_kind.setdefault(name, KindStats())
+
+    def total(self, json_only: bool = False) -> KindStats:
+        out = KindStats()
+        for name, s in self.by_kind.items():
+            if json_only and name == "answer":
+                continue
+            for f in ("calls", "attempts", "valid_attempts", "valid_first", "fallbacks", "prompt_tokens",
+                      "completion_tokens"):
+                setattr(out, f, getattr(out, f) + getattr(s, f))
+            out.seconds += s.seconds
+        return out
+
+    @property
+    def valid_json_rate(self) -> float:
+        """Fraction of JSON generations (retries included) that parsed and validated."""
+        t = self.total(json_only=True)
+        return t.valid_attempts / t.attempts if t.attempts else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.total(json_only=True)
+        return {
+            "valid_json_rate": self.valid_json_rate,
+            "json_valid_first_rate": t.valid_first / t.calls if t.calls else float("nan"),
+            "json_fallbacks": t.fallbacks,
+            "by_kind": {k: asdict(v) for k, v in sorted(self.by_kind.items())},
+        }
+
+
+@dataclass
+class CallResult:
+    """What a request produced after validation and retries."""
+
+    value: Any
+    """The validated, normalised JSON value; the fallback value after every attempt failed; the
+    text for free-text requests."""
+    text: str
+    """The last raw output."""
+    ok: bool
+    attempts: int
+    fallback: bool
+    errors: list[str]
+    prompt_tokens: int
+    """Summed over attempts (what the call really cost)."""
+    completion_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class StructuredLLM:
+    """Validated JSON and plain text from any backend, with retries, fallbacks and statistics."""
+
+    def __init__(self, backend: LLMBackend, json_retries: int = 2, retry_temperature: float = 0.7):
+        self.backend = backend
+        self.json_retries = json_retries
+        self.retry_temperature = retry_temperature
+        self.stats = LLMStats()
+
+    @classmethod
+    def from_config(cls, cfg: AMemLLMConfig, backbone=None) -> StructuredLLM:
+        backend: LLMBackend
+        if cfg.backend == "transformers":
+            backend = TransformersBackend.from_config(cfg, backbone)
+        else:
+            backend = OpenAIBackend(cfg)
+        return cls(backend, cfg.json_retries, cfg.retry_temperature)
+
+    def count_tokens(self, text: str) -> int:
+        return self.backend.count_tokens(text)
+
+    def json(self, requests: Sequence[GenRequest], fallbacks: Sequence[Callable[[], Any]]) -> list[CallResult]:
+        """Validated JSON for each request; ``fallbacks[i]()`` is used when request i keeps failing."""
+        if len(fallbacks) != len(requests):
+            raise ValueError("one fallback per request")
+        results: list[CallResult | None] = [None] * len(requests)
+        spent = [[0, 0] for _ in requests]
+        last: list[tuple[str, list[str]]] = [("", []) for _ in requests]
+        pending = list(range(len(requests)))
+        for attempt in range(self.json_retries + 1):
+            if not pending:
+                break
+            temp = 0.0 if attempt == 0 else self.retry_temperature
+            t0 = time.perf_counter()
+            outs = self.backend.generate([requests[i] for i in pending], temperature=temp, seed=attempt)
+            dt = (time.perf_counter() - t0) / len(pending)
+            still = []
+            for i, out in zip(pending, outs):
+                req = requests[i]
+                st = self.stats.kind(req.kind)
+                st.attempts += 1
+                st.seconds += dt
+                st.prompt_tokens += out.prompt_tokens
+                st.completion_tokens += out.completion_tokens
+                spent[i][0] += out.prompt_tokens
+                spent[i][1] += out.completion_tokens
+                value, errors = _parse(out, req.schema)
+                if not errors:
+                    st.valid_attempts += 1
+                    if attempt == 0:
+                        st.valid_first += 1
+                    results[i] = CallResult(value, out.text, True, attempt + 1, False, [], *spent[i])
+                else:
+                    last[i] = (out.text, errors)
+                    still.append(i)
+            pending = still
+        for i in pending:
+            req = requests[i]
+            st = self.stats.kind(req.kind)
+            st.fallbacks += 1
+            text, errors = last[i]
+            logger.warning("A-Mem %s call gave no valid JSON after %d attempts (%s); using the fallback. "
+                           "Last output: %.200r", req.kind, self.json_retries + 1, "; ".join(errors[:3]), text)
+            results[i] = CallResult(fallbacks[i](), text, False, self.json_retries + 1, True, errors, *spent[i])
+        for r, req in zip(results, requests):
+            self.stats.kind(req.kind).calls += 1
+        return results  # type: ignore[return-value]
+
+    def text(self, requests: Sequence[GenRequest]) -> list[CallResult]:
+        """Greedy free text, cut at each request's stop strings and stripped."""
+        t0 = time.perf_counter()
+        outs = self.backend.generate(list(requests), temperature=0.0, seed=0)
+        dt = (time.perf_counter() - t0) / max(1, len(requests))
+        results = []
+        for req, out in zip(requests, outs):
+            st = self.stats.kind(req.kind)
+            st.calls += 1
+            st.attempts += 1
+            st.valid_attempts += 1
+            st.valid_first += 1
+            st.seconds += dt
+            st.prompt_tokens += out.prompt_tokens
+            st.completion_tokens += out.completion_tokens
+            text = cut_at_stop(out.text, req.stop).strip()
+            results.append(CallResult(text, out.text, True, 1, False, [], out.prompt_tokens, out.completion_tokens))
+        return results
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    cut = len(text)
+    for s in stops:
+        j = text.find(s)
+        if j != -1:
+            cut = min(cut, j)
+    return text[:cut]
+
+
+def _parse(out: Completion, schema: Obj | None) -> tuple[Any, list[str]]:
+    if schema is None:
+        return out.text, []
+    try:
+        value = parse_json_object(out.text)
+    except ValueError as e:
+        reason = "the output was cut by the token budget" if not out.finished else str(e)
+        return None, [reason]
+    errors = schema.validate(value)
+    if errors:
+        return None, errors
+    return normalise(value, schema), []
+
+
+# --------------------------------------------------------------------------- local transformers
+
+
+class _VocabInfo:
+    """Per-tokenizer tables for constrained decoding: each token's text and tokens by first character."""
+
+    def __init__(self, tokenizer):
+        n = len(tokenizer)
+        self.texts: list[str] = [tokenizer.decode([i]) for i in range(n)]
+        special = set(tokenizer.all_special_ids)
+        # A token whose text is empty, special, or a piece of a multi-byte character cannot be
+        # checked character by character: it is never allowed inside a constrained answer.
+        self.usable = [bool(t) and "\ufffd" not in t and i not in special for i, t in enumerate(self.texts)]
+        by_first: dict[str, list[int]] = {}
+        for i, t in enumerate(self.texts):
+            if self.usable[i]:
+                by_first.setdefault(t[0], []).append(i)
+        self.by_first = {c: torch.tensor(ids, dtype=torch.long) for c, ids in by_first.items()}
+        self.has_space = " " in by_first  # some tokenizers (the tiny test one) cannot emit a space
+
+
+_VOCAB_CACHE: dict[int, _VocabInfo] = {}
+
+
+def _vocab_info(tokenizer) -> _VocabInfo:
+    key = id(tokenizer)
+    if key not in _VOCAB_CACHE:
+        _VOCAB_CACHE[key] = _VocabInfo(tokenizer)
+    return _VOCAB_CACHE[key]
+
+
+@dataclass
+class _Row:
+    budget: int
+    matcher: Matcher | None
+    stops: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    """Ended on its own (EOS, a stop string, a complete JSON answer)."""
+    closed: bool = False
+    """No more tokens: finished, or the budget ran out (then only EOS is allowed)."""
+
+
+class _TokenChooser:
+    """Picks each row's next tokens: forced JSON text in one go, else the best (or a sampled) token
+    among those the row's JSON constraint allows; free rows pick from the whole vocabulary."""
+
+    SAMPLE_CANDIDATES = 20
+    """With sampling, how many of the best valid tokens a constrained row samples from."""
+
+    def __init__(self, tokenizer, vocab: _VocabInfo, eos_id: int, temperature: float, generator: torch.Generator):
+        self.tokenizer = tokenizer
+        self.vocab = vocab
+        self.eos_id = eos_id
+        self.temperature = temperature
+        self.generator = generator
+        self._forced_cache: dict[str, list[int] | None] = {}
+
+    def _forced_tokens(self, text: str) -> list[int] | None:
+        """Tokens spelling exactly ``text`` (each one checkable), or None."""
+        if text not in self._forced_cache:
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            ok = all(self.vocab.usable[i] for i in ids) and "".join(self.vocab.texts[i] for i in ids) == text
+            self._forced_cache[text] = list(ids) if ok and ids else None
+        return self._forced_cache[text]
+
+    def _pick(self, logits: torch.Tensor, candidates: list[int]) -> int:
+        if self.temperature <= 0 or len(candidates) == 1:
+            return candidates[0]
+        cand = torch.tensor(candidates)
+        probs = torch.softmax(logits[cand].float() / self.temperature, dim=-1)
+        return candidates[int(torch.multinomial(probs, 1, generator=self.generator))]
+
+    def _allowed(self, m: Matcher, logits: torch.Tensor) -> list[int]:
+        """Valid next tokens of a constrained row, best first (1 when greedy)."""
+        want = self.SAMPLE_CANDIDATES if self.temperature > 0 else 1
+        first = m.allowed_first()
+        found: list[int] = []
+
+        def scan(order: torch.Tensor) -> None:
+            for tok in order.tolist():
+                if not self.vocab.usable[tok]:
+                    continue
+                trial = m.copy()
+                if trial.feed(self.vocab.texts[tok]):
+                    found.append(tok)
+                    if len(found) >= want:
+                        return
+
+        if first is not None:
+            cands = [self.vocab.by_first[c] for c in first if c in self.vocab.by_first]
+            if cands:
+                cand = torch.cat(cands)
+                scan(cand[torch.argsort(logits[cand], descending=True)])
+        else:
+            k = min(64, logits.numel())
+            scan(torch.topk(logits, k).indices)
+            if not found:  # the model wants something the schema forbids: look further down
+                scan(torch.argsort(logits, descending=True)[k:])
+        return found
+
+    def next_tokens(self, row: _Row, logits: torch.Tensor) -> list[int]:
+        """Tokens to append to ``row`` (EOS closes it); updates the row."""
+        m = row.matcher
+        if m is None:
+            tok = self._pick(logits, torch.topk(logits, min(self.SAMPLE_CANDIDATES, logits.numel())).indices.tolist()
+                             if self.temperature > 0 else [int(torch.argmax(logits))])
+            self._take(row, [tok])
+            return [tok]
+        # A trailing space stays with the model: BPE vocabularies spell ' "' or ' [' as one token.
+        forced = m.forced(space=self.vocab.has_space).rstrip(" ")
+        toks = self._forced_tokens(forced) if forced else None
+        if toks is None:
+            allowed = self._allowed(m, logits)
+            if not allowed:  # no token of the vocabulary continues the answer: stop it here
+                row.closed = True
+                return [self.eos_id]
+            toks = [self._pick(logits, allowed)]
+        toks = toks[: max(1, row.budget - len(row.tokens))]
+        self._take(row, toks)
+        return toks
+
+    def _take(self, row: _Row, toks: list[int]) -> None:
+        for tok in toks:
+            if tok == self.eos_id:
+                row.finished = row.matcher is None
+                row.closed = True
+                return
+            text = self.vocab.texts[tok]
+            row.tokens.append(tok)
+            row.text += text
+            if row.matcher is not None:
+                if not row.matcher.feed(text):  # cannot happen: only matching tokens are chosen
+                    raise RuntimeError(f"constrained decoding chose a token outside the schema: {text!r}")
+                if row.matcher.done:
+                    row.finished = row.closed = True
+            elif row.stops and any(st in row.text for st in row.stops):
+                row.finished = row.closed = True
+        if len(row.tokens) >= row.budget:
+            row.closed = True
+
+
+class TransformersBackend:
+    """A local causal LM with batched, optionally constrained generation."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 8, constrained: bool = True, name: str = "transformers"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.constrained = constrained
+        self.name = name
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.eos_id = int(tokenizer.eos_token_id)
+
+    @classmethod
+    def from_config(cls, cfg: AMemLLMConfig, backbone=None) -> TransformersBackend:
+        """Load ``cfg.model`` with elasticmem.backbone, or reuse an already loaded ``backbone``."""
+        if backbone is None:
+            from elasticmem.backbone import load_backbone
+            from elasticmem.config import ModelConfig
+
+            backbone = load_backbone(ModelConfig(name_or_path=cfg.model, device=cfg.device, dtype=cfg.dtype))
+        return cls(backbone.model, backbone.tokenizer, cfg.batch_size, cfg.constrained, name=cfg.model)
+
+    def render(self, messages: Messages) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenRequest], temperature: float = 0.0, seed: int = 0) -> list[Completion]:
+        prompts = [self.render(r.messages) for r in requests]
+        lengths = [len(self.tokenizer(p, add_special_tokens=False).input_ids) for p in prompts]
+        # Similar lengths together: less padding per batch.
+        order = sorted(range(len(requests)), key=lambda i: lengths[i])
+        out: list[Completion | None] = [None] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            for i, c in zip(idx, self._generate_batch([requests[i] for i in idx], [prompts[i] for i in idx],
+                                                      temperature, seed)):
+                out[i] = c
+        return out  # type: ignore[return-value]
+
+    def _generate_batch(self, requests: list[GenRequest], prompts: list[str], temperature: float,
+                        seed: int) -> list[Completion]:
+        """Own decoding loop (KV cache, left padding): unlike ``generate`` it can append several
+        forced tokens to a row in one forward pass (JSON keys and brackets cost no extra steps);
+        rows appending fewer tokens in a step are padded with masked positions."""
+        from transformers import DynamicCache
+
+        vocab = _vocab_info(self.tokenizer)
+        rows = []
+        for r in requests:
+            matcher = Matcher(r.schema) if (r.schema is not None and self.constrained) else None
+            rows.append(_Row(budget=r.max_new_tokens, matcher=matcher, stops=tuple(r.stop)))
+        dev = self.model.device
+        enc = self.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+        prompt_tokens = mask.sum(dim=1).tolist()
+        next_pos = mask.sum(dim=1)  # position of each row's next real token
+        gen = torch.Generator().manual_seed(seed)
+        chooser = _TokenChooser(self.tokenizer, vocab, self.eos_id, temperature, gen)
+        pad = int(self.tokenizer.pad_token_id)
+        cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True)
+        logits = out.logits[:, -1, :].float()
+        while True:
+            steps: list[list[int]] = []
+            for b, row in enumerate(rows):
+                steps.append([] if row.closed else chooser.next_tokens(row, logits[b]))
+            if all(row.closed for row in rows):
+                break
+            width = max(len(t) for t in steps)
+            new_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
+            new_pos = torch.zeros((len(rows), width), dtype=torch.long)
+            for b, toks in enumerate(steps):
+                n = len(toks)
+                if n:
+                    new_ids[b, :n] = torch.tensor(toks)
+                    new_mask[b, :n] = 1
+                new_pos[b] = next_pos[b] + torch.arange(width).clamp(max=max(0, n - 1))
+            new_ids, new_mask, new_pos = new_ids.to(dev), new_mask.to(dev), new_pos.to(dev)
+            mask = torch.cat([mask, new_mask], dim=1)
+            out = self.model(input_ids=new_ids, attention_mask=mask, position_ids=new_pos, cache=cache,
+                             use_cache=True)
+            last = torch.tensor([max(0, len(t) - 1) for t in steps], device=dev)
+            logits = out.logits[torch.arange(len(rows), device=dev), last].float()
+            next_pos = next_pos + torch.tensor([len(t) for t in steps], device=next_pos.device)
+        outs = []
+        for row, pt in zip(rows, prompt_tokens):
+            if row.matcher is not None:
+                text = row.text  # exactly what the matcher accepted
+            else:
+                text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            outs.append(Completion(text, int(pt), len(row.tokens), row.finished))
+        return outs
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible HTTP
+
+
+def _httpx():
+    """httpx, or its fork httpx2 (what huggingface_hub installs): the same client API."""
+    try:
+        import httpx
+
+        return httpx
+    except ImportError:
+        try:
+            import httpx2
+
+            return httpx2
+        except ImportError:
+            raise ImportError("the 'openai' A-Mem backend needs an HTTP client: pip install httpx") from None
+
+
+_PORTABLE_DROP = {"minLength", "maxLength", "minItems", "maxItems"}
+
+
+def portable_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema without length keywords, which some servers' strict modes reject."""
+    if isinstance(schema, dict):
+        return {k: portable_schema(v) for k, v in schema.items() if k not in _PORTABLE_DROP}
+    if isinstance(schema, list):
+        return [portable_schema(v) for v in schema]
+    return schema
+
+
+class ServerError(RuntimeError):
+    """The server did not answer after every retry, or refused the request."""
+
+
+class OpenAIBackend:
+    """``POST {api_base}/chat/completions`` with retries, back-off and structured output."""
+
+    MODES = ("json_schema", "json_schema_portable", "json_object", "none")
+
+    def __init__(self, cfg: AMemLLMConfig, client=None, tokenizer=None, sleep: Callable[[float], None] = time.sleep):
+        self.cfg = cfg
+        self.name = cfg.model
+        hx = _httpx()
+        self._hx = hx
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self.client = client if client is not None else hx.Client(timeout=cfg.timeout_s)
+        self.headers = headers
+        self.url = cfg.api_base.rstrip("/") + "/chat/completions"
+        self.mode = cfg.structured_output
+        self.sleep = sleep
+        self.tokenizer = tokenizer
+        if self.tokenizer is None and cfg.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+
+    def count_tokens(self, text: str) -> int:
+        if self.tokenizer is not None:
+            return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return math.ceil(len(text) / 4)  # rough estimate; set llm.tokenizer for exact counts
+
+    def generate(self, requests: Sequence[GenRequest], temperature: float = 0.0, seed: int = 0) -> list[Completion]:
+        if len(requests) <= 1 or self.cfg.batch_size <= 1:
+            return [self._one(r, temperature, seed) for r in requests]
+        # The server batches concurrent requests (continuous batching in vLLM/SGLang).
+        with ThreadPoolExecutor(max_workers=self.cfg.batch_size) as pool:
+            return list(pool.map(lambda r: self._one(r, temperature, seed), requests))
+
+    def _payload(self, req: GenRequest, temperature: float, seed: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "model": self.cfg.model, "messages": req.messages, "max_tokens": req.max_new_tokens,
+            "temperature": temperature,
+        }
+        if temperature > 0:
+            payload["seed"] = seed
+        if req.stop:
+            payload["stop"] = list(req.stop)
+        if req.schema is not None and self.mode != "none":
+            if self.mode == "json_object":
+                payload["response_format"] = {"type": "json_object"}
+            else:
+                schema = req.schema.to_json_schema()
+                if self.mode == "json_schema_portable":
+                    schema = portable_schema(schema)
+                payload["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": req.kind or "answer", "schema": schema, "strict": True},
+                }
+        return payload
+
+    def _downgrade(self, detail: str) -> bool:
+        i = self.MODES.index(self.mode)
+        if i + 1 >= len(self.MODES):
+            return False
+        old, self.mode = self.mode, self.MODES[i + 1]
+        logger.warning("server %s refused response_format mode %r (%s); using %r from now on",
+                       self.url, old, detail[:200], self.mode)
+        return True
+
+    def _one(self, req: GenRequest, temperature: float, seed: int) -> Completion:
+        hx = self._hx
+        tries = 0
+        while True:
+            payload = self._payload(req, temperature, seed)
+            try:
+                resp = self.client.post(self.url, json=payload, headers=self.headers, timeout=self.cfg.timeout_s)
+            except (hx.TimeoutException, hx.TransportError) as e:
+                err = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code == 200:
+                    return self._completion(resp.json(), req)
+                body = resp.text
+                refused_format = resp.status_code == 400 and "response_format" in payload and (
+                    "response_format" in body or "json_schema" in body or "schema" in body)
+                if refused_format and self._downgrade(body):
+                    continue  # not a failed try: the same request in a mode the server takes
+                if resp.status_code != 429 and resp.status_code < 500:
+                    raise ServerError(f"{self.url} answered HTTP {resp.status_code}: {body[:500]}")
+                err = f"HTTP {resp.status_code}: {body[:200]}"
+            if tries >= self.cfg.http_retries:
+                raise ServerError(f"{self.url} failed after {tries + 1} tries; last error: {err}")
+            delay = self.cfg.retry_backoff_s * (2 ** tries)
+            logger.warning("request to %s failed (%s); retrying in %.1f s", self.url, err, delay)
+            self.sleep(delay)
+            tries += 1
+
+    def _completion(self, data: dict[str, Any], req: GenRequest) -> Completion:
+        choice = (data.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") or ""
+        usage = data.get("usage") or {}
+        pt = usage.get("prompt_tokens")
+        ct = usage.get("completion_tokens")
+        if pt is None:
+            pt = self.count_tokens("\n".join(m["content"] for m in req.messages))
+        if ct is None:
+            ct = self.count_tokens(text)
+        return Completion(text, int(pt), int(ct), finished=choice.get("finish_reason") != "length")
+
+
+def dump_stats(stats: LLMStats) -> str:
+    return json.dumps(stats.to_dict(), indent=2)

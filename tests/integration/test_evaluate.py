@@ -183,3 +183,29 @@ def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_p
     assert res["avg_tokens"] == pytest.approx(trainer_eval["avg_tokens"])
     assert res["avg_memory_tokens"] == pytest.approx(trainer_eval["avg_memory_tokens"])
     assert res["checkpoint"] == f"{run}/final"
+
+
+def test_text_memory_trained_by_grpo_is_evaluated_as_text(tiny_setup, tmp_path):  # noqa: F811
+    """memory.injection=text trains through the same trainer (no budget actions in the loss) and
+    its checkpoint evaluates with the same injection: the paper's text-memory + GRPO control."""
+    from test_train import _metrics, _train_cli
+
+    run = tmp_path / "run"
+    _train_cli(tiny_setup, run, "memory.injection=text", "train.max_steps=3", "train.eval_split=")
+    rows = _metrics(run)
+    assert all(r["units/budget"] == 0 and r["units/lm"] > 0 for r in rows)
+    _evaluate(tiny_setup, tmp_path / "ev", f"checkpoint={run}/final", "eval.limit=10")
+    recs = _records(tmp_path / "ev" / "predictions.jsonl")
+    assert all(m["budget"] is None and m["tokens"] > 0 for r in recs for m in r["retrieved"])
+    assert json.loads((tmp_path / "ev" / "results.json").read_text())["avg_memory_tokens"] > 0
+
+
+def test_amem_runs_in_the_same_harness(tiny_setup, tmp_path):  # noqa: F811
+    """eval.system=amem (notes written by the tiny model, MiniLM embeddings) answers through
+    evaluate.py like the other systems; its notes appear as retrieved memories."""
+    _evaluate(tiny_setup, tmp_path, "system=amem", "amem.llm.model=tiny", "eval.limit=4", "amem.max_new_tokens=96")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["system"] == "amem" and res["num_examples"] == 4
+    recs = _records(tmp_path / "predictions.jsonl")
+    assert all(r["retrieved"] and r["tokens"]["memory"] > 0 for r in recs)
+    assert all(m["budget"] is None for r in recs for m in r["retrieved"])

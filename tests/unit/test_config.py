@@ -99,3 +99,25 @@ def test_cli_bad_key_exits_with_message(capsys):
         parse_cli(Config, ["bank.dirr=/tmp/x"], prog="x")
     assert e.value.code == 2
     assert "did you mean 'bank.dir'" in capsys.readouterr().err
+
+
+def test_system_memory_settings_layer_checkpoint_preset_and_overrides(tmp_path):
+    """eval.system presets apply on top of the checkpoint's (or config's) memory settings, and
+    memory.* overrides of the command line or a variant apply last."""
+    import json
+
+    from elasticmem.eval.systems import memory_config
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=no_memory"])
+    assert memory_config(cfg, []).top_z == 0
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=text_rag"])
+    m = memory_config(cfg, ["memory.top_z=3", "train.lr=1"])
+    assert (m.injection, m.top_z, m.retrieval) == ("text", 3, cfg.memory.retrieval)
+    saved = dataclasses.asdict(dataclasses.replace(cfg.memory, top_z=7, separator="|"))
+    (tmp_path / "elasticmem_config.json").write_text(json.dumps({"memory": saved}))
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"eval.checkpoint={tmp_path}", "eval.system=full_context"])
+    m = memory_config(cfg, ["memory.policy.clip_budget=2"])
+    assert m.separator == "|" and m.retrieval == "recent" and m.injection == "text"
+    assert m.policy.clip_budget == 2
+    with pytest.raises(FileNotFoundError, match="not a saved ElasticMem model"):
+        memory_config(load_config(ROOT / "configs/tiny.yaml", [f"eval.checkpoint={tmp_path}/nope"]), [])

@@ -24,6 +24,12 @@ from elasticmem.baselines.amem.structured import Arr, Bool, Enum, Obj, Str, cano
 
 Messages = list[dict[str, str]]
 
+NOTE_EXAMPLE_CONTEXT = "Alice tells that she adopted a puppy called Max the weekend before 2 June 2023."
+EVOLVE_EXAMPLE_CONTEXTS = ("Alice talks about wanting a dog, which she later adopted (Max).",
+                           "Bob describes his new job at a bakery.")
+# Small models copy the worked examples verbatim: a context may not begin like an example sentence.
+EXAMPLE_PREFIXES = tuple(" ".join(t.lower().split()[:3]) for t in (NOTE_EXAMPLE_CONTEXT, *EVOLVE_EXAMPLE_CONTEXTS))
+
 NOTE_SYSTEM = """You write notes for a memory. Read one interaction and its time, and answer with a JSON object:
 - "keywords": specific key terms from the content (names of things, activities, places), most important first; not the speaker's name and not the time;
 - "context": one sentence saying what the interaction is about and who it concerns;
@@ -33,7 +39,7 @@ Time: 3 pm on 2 June, 2023
 Content: Alice: I adopted a puppy named Max last weekend!
 Answer: """ + canonical({
     "keywords": ["puppy", "Max", "adoption"],
-    "context": "Alice tells that she adopted a puppy called Max the weekend before 2 June 2023.",
+    "context": NOTE_EXAMPLE_CONTEXT,
     "tags": ["pets", "family", "life event"],
 })
 
@@ -50,8 +56,7 @@ Answer: """ + canonical({
     "actions": ["strengthen", "update_neighbor"],
     "suggested_connections": ["n4"],
     "tags_to_update": ["pets", "family"],
-    "new_context_neighborhood": ["Alice talks about wanting a dog, which she later adopted (Max).",
-                                 "Bob describes his new job at a bakery."],
+    "new_context_neighborhood": list(EVOLVE_EXAMPLE_CONTEXTS),
     "new_tags_neighborhood": [["pets", "plans"], ["work", "food"]],
 })
 
@@ -83,7 +88,7 @@ def note_schema(cfg: AMemConfig) -> Obj:
     item = Str(1, cfg.max_item_chars)
     return Obj((
         ("keywords", Arr(item, 1, cfg.max_keywords)),
-        ("context", Str(1, cfg.max_context_chars)),
+        ("context", Str(1, cfg.max_context_chars, banned_prefixes=EXAMPLE_PREFIXES)),
         ("tags", Arr(item, 1, cfg.max_tags)),
     ))
 
@@ -91,7 +96,8 @@ def note_schema(cfg: AMemConfig) -> Obj:
 def decision_schema(cfg: AMemConfig, neighbour_ids: Sequence[str], note_id: str | None = None) -> Obj:
     """The link/evolution decision for these neighbours; lengths and ids are part of the schema.
 
-    Contexts and tags may not be bare note ids (small models copy them from the prompt).
+    Contexts and tags may not be bare note ids, nor contexts the worked example's sentences (small
+    models copy both from the prompt).
     """
     n = len(neighbour_ids)
     ids_text = frozenset(i.lower() for i in [*neighbour_ids, *([note_id] if note_id else [])])
@@ -109,7 +115,7 @@ def decision_schema(cfg: AMemConfig, neighbour_ids: Sequence[str], note_id: str 
         ("actions", Arr(Enum(("strengthen", "update_neighbor")), 0, 2)),
         ("suggested_connections", Arr(ids, 0, n)),
         ("tags_to_update", Arr(item, 0, cfg.max_tags)),
-        ("new_context_neighborhood", Arr(Str(1, cfg.max_context_chars, ids_text), n, n)),
+        ("new_context_neighborhood", Arr(Str(1, cfg.max_context_chars, ids_text, EXAMPLE_PREFIXES), n, n)),
         ("new_tags_neighborhood", Arr(Arr(item, 0, cfg.max_tags), n, n)),
     ))
 

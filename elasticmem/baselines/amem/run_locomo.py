@@ -1,6 +1,6 @@
 """Run A-Mem on LoCoMo and write the paper's per-category tables (free-form metrics and MC-10 accuracy).
 
-    python -m elasticmem.baselines.amem.run_locomo --config configs/amem_locomo.yaml
+    python -m elasticmem.baselines.amem.run_locomo --config configs/amem/locomo_smollm2.yaml
     python -m elasticmem.baselines.amem.run_locomo split=test amem.llm.backend=openai \\
         amem.llm.model=Qwen/Qwen2.5-7B-Instruct amem.llm.api_base=http://localhost:8000/v1
     python -m elasticmem.baselines.amem.run_locomo --help      # every key

@@ -49,13 +49,16 @@ class Str(Node):
     """A free string of ``min_len..max_len`` characters without quotes, backslashes or control chars.
 
     ``exclude``: lower-cased values the string may not take (e.g. note ids as a context or tag,
-    which small models copy from the prompt); checked by ``validate`` and by the matcher when the
-    string closes, left out of the JSON Schema (strict server modes do not support ``not``).
+    which small models copy from the prompt), checked when the string closes; ``banned_prefixes``:
+    lower-cased beginnings it may not have, checked as it is typed. Both are checked by ``validate``
+    and by the matcher, and left out of the JSON Schema (strict server modes do not support ``not``).
     """
 
     min_len: int = 1
     max_len: int = 64
     exclude: frozenset[str] = frozenset()
+    banned_prefixes: tuple[str, ...] = ()
+    """Lower-cased beginnings the string may not have (worked-example sentences a small model copies)."""
 
     def to_json_schema(self) -> dict[str, Any]:
         return {"type": "string", "minLength": self.min_len, "maxLength": self.max_len}
@@ -65,7 +68,8 @@ class Str(Node):
             return [f"{path}: expected a string, got {type(value).__name__}"]
         if len(value.strip()) < self.min_len:
             return [f"{path}: string shorter than {self.min_len}"]
-        if value.strip().lower() in self.exclude:
+        low = value.strip().lower()
+        if low in self.exclude or any(low.startswith(p) for p in self.banned_prefixes):
             return [f"{path}: {value!r} is not allowed here"]
         # Over-long strings from a server are truncated by the caller, not rejected: the
         # content is still usable and a retry would cost a whole call.
@@ -384,8 +388,12 @@ class Matcher:
             if f[3] == 0 and ch.isspace():
                 return False
             f[3] += 1
-            if node.exclude:
+            if node.exclude or node.banned_prefixes:
                 f[4] += ch
+                if node.banned_prefixes:
+                    low = f[4].lower()
+                    if any(len(low) == len(p) and low == p for p in node.banned_prefixes):
+                        return False
             return True
         # _LIT
         typed = f[2] + ch

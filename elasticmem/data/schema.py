@@ -14,7 +14,9 @@ reference answer; ``Example.is_free_form`` tells them apart.
 
 ``history`` is a list of sessions, each a list of turns. Examples that share a
 history share a ``group`` (conversation or context id): the bank is built once
-per group. ``group`` defaults to ``id`` when absent.
+per group. Within one file, ``history`` may be left out of a record whose group
+already appeared: it then is the history of that group's earlier record (so a
+LoCoMo conversation asked 200 questions is written once, not 200 times). ``group`` defaults to ``id`` when absent.
 
 Every validation error names the file, the line and the field, so a user can
 find the bad record in a multi-GB file.
@@ -100,8 +102,13 @@ class Example:
         return d
 
     @classmethod
-    def from_json(cls, d: Any, where: str = "<record>") -> "Example":
-        """Validate one decoded JSON object; ``where`` (e.g. "file.jsonl:12") prefixes errors."""
+    def from_json(cls, d: Any, where: str = "<record>",
+                  histories: dict[str, list[list[Turn]]] | None = None) -> "Example":
+        """Validate one decoded JSON object; ``where`` (e.g. "file.jsonl:12") prefixes errors.
+
+        ``histories`` maps groups seen earlier in the same file to their history: a record
+        without ``history`` takes its group's (and a record with one is added).
+        """
         if not isinstance(d, dict):
             raise SchemaError(f"{where}: expected a JSON object, got {type(d).__name__}")
 
@@ -144,31 +151,27 @@ class Example:
             raise SchemaError(
                 f"{where}: field 'answer_index' = {answer_index} is outside the {len(choices)} choices"
             )
-        history_raw = need("history", list)
-        if not history_raw or all(isinstance(s, list) and not s for s in history_raw):
-            raise SchemaError(f"{where}: field 'history' is empty: an example needs a history to remember")
-        history: list[list[Turn]] = []
-        for si, session in enumerate(history_raw):
-            if not isinstance(session, list):
-                raise SchemaError(f"{where}: field 'history[{si}]' must be a list of turns")
-            turns = []
-            for ti, t in enumerate(session):
-                tw = f"history[{si}][{ti}]"
-                if not isinstance(t, dict):
-                    raise SchemaError(f"{where}: field '{tw}' must be an object")
-                for key in ("role", "content"):
-                    if not isinstance(t.get(key), str):
-                        raise SchemaError(f"{where}: field '{tw}.{key}' is missing or not a string")
-                for key in ("date", "speaker"):
-                    if t.get(key) is not None and not isinstance(t[key], str):
-                        raise SchemaError(f"{where}: field '{tw}.{key}' must be a string")
-                turns.append(Turn(t["role"], t["content"], t.get("date"), t.get("speaker")))
-            history.append(turns)
-        known = {"id", "source", "group", "question", "choices", "answer_index", "question_type",
-                 "history", "answer_text"}
         group = d.get("group", "")
         if not isinstance(group, (str, int)):
             raise SchemaError(f"{where}: field 'group' must be a string")
+        group = str(group) or ex_id
+        if "history" not in d and histories is not None and group in histories:
+            history_raw = None
+        elif "history" not in d:
+            raise SchemaError(f"{where}: missing field 'history' (a record may leave it out only when an "
+                              f"earlier record of its group {group!r} in the same file has it)")
+        else:
+            history_raw = need("history", list)
+        if history_raw is None:
+            history = histories[group]
+        elif not history_raw or all(isinstance(s, list) and not s for s in history_raw):
+            raise SchemaError(f"{where}: field 'history' is empty: an example needs a history to remember")
+        else:
+            history = _parse_history(history_raw, where)
+            if histories is not None:
+                histories[group] = history
+        known = {"id", "source", "group", "question", "choices", "answer_index", "question_type",
+                 "history", "answer_text"}
         return cls(
             id=ex_id,
             source=str(d.get("source", "")),
@@ -177,17 +180,44 @@ class Example:
             answer_index=answer_index,
             question_type=str(d.get("question_type", "")),
             history=history,
-            group=str(group),
+            group=group,
             answer_text=answer_text,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
 
+def _parse_history(history_raw: list, where: str) -> list[list[Turn]]:
+    """Validate a decoded ``history`` field."""
+    history: list[list[Turn]] = []
+    for si, session in enumerate(history_raw):
+        if not isinstance(session, list):
+            raise SchemaError(f"{where}: field 'history[{si}]' must be a list of turns")
+        turns = []
+        for ti, t in enumerate(session):
+            tw = f"history[{si}][{ti}]"
+            if not isinstance(t, dict):
+                raise SchemaError(f"{where}: field '{tw}' must be an object")
+            for key in ("role", "content"):
+                if not isinstance(t.get(key), str):
+                    raise SchemaError(f"{where}: field '{tw}.{key}' is missing or not a string")
+            for key in ("date", "speaker"):
+                if t.get(key) is not None and not isinstance(t[key], str):
+                    raise SchemaError(f"{where}: field '{tw}.{key}' must be a string")
+            turns.append(Turn(t["role"], t["content"], t.get("date"), t.get("speaker")))
+        history.append(turns)
+    return history
+
+
 def iter_examples(path: str | os.PathLike) -> Iterator[Example]:
-    """Stream examples from a JSONL file, one validated ``Example`` per non-blank line."""
+    """Stream examples from a JSONL file, one validated ``Example`` per non-blank line.
+
+    A record without ``history`` gets its group's from an earlier record (the same list
+    object, so shared histories are held once).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"example file not found: {path}")
+    histories: dict[str, list[list[Turn]]] = {}
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -197,7 +227,7 @@ def iter_examples(path: str | os.PathLike) -> Iterator[Example]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SchemaError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            yield Example.from_json(obj, where)
+            yield Example.from_json(obj, where, histories)
 
 
 def read_examples(path: str | os.PathLike) -> list[Example]:
@@ -212,15 +242,26 @@ def read_examples(path: str | os.PathLike) -> list[Example]:
     return out
 
 
-def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
-    """Write examples as JSONL atomically (temp file + rename); returns the count."""
+def write_examples(path: str | os.PathLike, examples: Iterable[Example], share_histories: bool = True) -> int:
+    """Write examples as JSONL atomically (temp file + rename); returns the count.
+
+    ``share_histories``: a record whose group's history was already written in this file
+    (an equal one) leaves ``history`` out; readers fill it in (see the module docstring).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     n = 0
+    written: dict[str, list[list[Turn]]] = {}
     with tmp.open("w", encoding="utf-8") as f:
         for ex in examples:
-            f.write(json.dumps(ex.to_json(), ensure_ascii=False) + "\n")
+            d = ex.to_json()
+            prev = written.get(ex.group)
+            if share_histories and prev is not None and (prev is ex.history or prev == ex.history):
+                del d["history"]
+            else:
+                written[ex.group] = ex.history
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
             n += 1
     os.replace(tmp, path)
     return n

@@ -419,13 +419,14 @@ def history_digest(history: Sequence[Sequence[Turn]]) -> str:
     return hashlib.sha256(history_json(history).encode()).hexdigest()
 
 
-def example_line(ex: Example, history: str) -> str:
-    """``json.dumps(ex.to_json())`` with the history already serialised (same keys, same order)."""
+def example_line(ex: Example, history: str | None) -> str:
+    """``json.dumps(ex.to_json())`` with the history already serialised (same keys, same order);
+    ``history`` None leaves it out (the group's earlier line has it: see data/schema.py)."""
     head = {"id": ex.id, "source": ex.source, "group": ex.group, "question": ex.question,
             "choices": list(ex.choices), "answer_index": ex.answer_index, "question_type": ex.question_type}
     tail: dict[str, Any] = {} if ex.answer_text is None else {"answer_text": ex.answer_text}
     tail.update({k: v for k, v in ex.extra.items() if k not in head and k != "history"})
-    line = json.dumps(head, ensure_ascii=False)[:-1] + ', "history": ' + history
+    line = json.dumps(head, ensure_ascii=False)[:-1] + ("" if history is None else ', "history": ' + history)
     return line + (", " + json.dumps(tail, ensure_ascii=False)[1:] if tail else "}") + "\n"
 
 
@@ -485,7 +486,9 @@ class PreparedWriter:
                                 f"{g.first_id!r} of the same group {ex.group!r}; a group shares one history",
                                 "group_mismatch")
         self._ids.add(ex.id)
-        self._pending.write(example_line(ex, hist))
+        # Only a group's first line carries its history; the group's lines all go to one split
+        # file in this order, so there it is the first line of the group too.
+        self._pending.write(example_line(ex, hist if g is None else None))
         self._rows.append((unit, ex.group, ex.question_type))
         self.free_form += ex.is_free_form
 

@@ -39,6 +39,7 @@ from elasticmem.data.schema import Example
 from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem_loss, group_advantages, uniform_groups
 from elasticmem.grpo.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
+from elasticmem.utils.configuration import ConfigError
 from elasticmem.utils.configuration import save as save_config
 from elasticmem.utils.distributed import full_parameters
 
@@ -234,6 +235,10 @@ def train(cfg: Config) -> dict[str, Any]:
     mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
     model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
     examples = load_split(cfg.data.dir, t.split)
+    free = [ex.id for ex in examples if ex.is_free_form]
+    if free and t.reward == "mc_letter":
+        raise ConfigError(f"{cfg.data.dir}/{t.split}.jsonl holds free-form examples (e.g. {free[0]!r}) that the "
+                         f"mc_letter reward cannot score; train on a multiple-choice preparation (e.g. locomo-mc10)")
     reward_fn = get_reward(t.reward)
     sampler = QuerySampler(len(examples), t.batch_size, world, rank, cfg.seed)
     total = t.max_steps or max(1, math.floor(t.epochs * len(examples) / (t.batch_size * world)))

@@ -243,3 +243,18 @@ def test_tensorboard_tracker_logs_the_metrics(tiny_setup, tmp_path):
         assert sorted(logged) == [r["step"] for r in rows], key
         for r in rows:
             assert logged[r["step"]] == pytest.approx(r[key], rel=1e-5, abs=1e-6), (key, r["step"])
+
+
+def test_free_form_data_is_refused_by_the_multiple_choice_reward(tiny_setup, tmp_path):
+    """LoCoMo QA style examples (no options) cannot be scored by mc_letter: a clear error, not zero reward."""
+    from elasticmem.data.schema import load_split, write_examples
+    from elasticmem.grpo import trainer
+    from elasticmem.utils.configuration import ConfigError
+
+    ex = load_split(tiny_setup / "data", "train")[0]
+    free = type(ex)(id="qa-1", source="t", question="what?", choices=[], answer_index=-1, question_type="q",
+                    history=ex.history, group=ex.group, answer_text="b")
+    write_examples(tmp_path / "data" / "train.jsonl", [ex, free])
+    cfg = _cfg(tiny_setup, tmp_path / "out", f"data.dir={tmp_path}/data", "train.max_steps=1", "train.eval_split=")
+    with pytest.raises(ConfigError, match="free-form.*qa-1"):
+        trainer.train(cfg)

@@ -102,3 +102,28 @@ def test_token_cap_and_side(tiny_backbone):
     assert tok.truncation_side == "right"  # restored
     with pytest.raises(ValueError):
         tokenize_chunks([text], tok, 0)
+
+
+def test_a_group_history_is_written_once_and_filled_in_on_reading(tmp_path):
+    """Records of a group after the first leave 'history' out; reading gives every example its
+    group's history back (the same object), and a record without one and no earlier group
+    record is refused."""
+    import json
+
+    from elasticmem.data.schema import Example, SchemaError, Turn, read_examples, write_examples
+
+    h1 = [[Turn("user", "I live in Porto."), Turn("assistant", "Nice.")]]
+    h2 = [[Turn("user", "My dog is Rex.")]]
+    exs = [Example(f"q{i}", "t", "where?", ["a", "b"], i % 2, "x", h, group=g)
+           for i, (g, h) in enumerate([("g1", h1), ("g2", h2), ("g1", h1), ("g1", [list(h1[0])]), ("g2", h2)])]
+    write_examples(tmp_path / "x.jsonl", exs)
+    lines = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
+    assert ["history" in d for d in lines] == [True, True, False, False, False]
+    back = read_examples(tmp_path / "x.jsonl")
+    assert [ex.to_json() for ex in back] == [ex.to_json() for ex in exs]
+    assert back[0].history is back[2].history is back[3].history
+    write_examples(tmp_path / "full.jsonl", exs, share_histories=False)
+    assert all("history" in json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines())
+    (tmp_path / "bad.jsonl").write_text(json.dumps({k: v for k, v in lines[0].items() if k != "history"}) + "\n")
+    with pytest.raises(SchemaError, match=r"bad.jsonl:1.*missing field 'history'.*'g1'"):
+        read_examples(tmp_path / "bad.jsonl")

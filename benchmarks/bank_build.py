@@ -83,12 +83,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from elasticmem.bank import builder as B  # noqa: E402
 from elasticmem.bank.index import build_index  # noqa: E402
-from elasticmem.bank.store import CHUNKS, MANIFEST, Bank, shard_name  # noqa: E402
+from elasticmem.bank.store import CHUNKS, MANIFEST, Bank  # noqa: E402
 from elasticmem.config import IndexConfig, ModelConfig, load_config  # noqa: E402
 from elasticmem.data.chunking import chunk_history  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
 from test_train import _env, _metrics, _params, _same_metrics, _train_cli, tiny_setup  # noqa: F401  (fixture)
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[dev])")

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
 
     cfg, args = parse_cli(Config, argv, prog="evaluate.py", description=__doc__, extra=extra)
-    overrides = list(args.overrides) + ([f"eval.limit={args.limit}"] if args.limit is not None else [])
+    overrides = list(args.overrides)
+    if args.limit is not None:
+        overrides.append(f"eval.limit={args.limit}")
+        cfg.eval.limit = args.limit
     from accelerate.utils import set_seed
 
     from elasticmem.bank import BankError
@@ -50,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     state = process_state()
     main_proc = state.is_main_process
     try:
-        cfg = load(Config, args.config, overrides)
         variants = cfg.eval.variants or {cfg.eval.system: []}
         out_root = Path(cfg.eval.output_dir)
         examples = load_split(cfg.data.dir, cfg.eval.split)
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(extra_overrides, list) or not all(isinstance(o, str) for o in extra_overrides):
                 raise ConfigError(f"eval.variants.{name} must be a list of key=value strings")
             vo = overrides + list(extra_overrides)
-            vcfg = load(Config, args.config, vo)
+            vcfg = load(Config, args.config, vo) if extra_overrides else cfg
             out = out_root / name if cfg.eval.variants else out_root
             if main_proc:
                 out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from elasticmem.data.schema import Example
 from elasticmem.eval import metrics
 from elasticmem.eval.system import MemorySystem, Prediction
-from elasticmem.grpo.rewards import parse_option_letter
+from elasticmem.grpo.rewards import mc_letter_reward
 
 PART = "predictions.part-{rank}.jsonl"
 
@@ -32,7 +32,7 @@ def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
     Free form: gold is the reference text, correct on an exact match after A-Mem's normalisation."""
     if ex.is_free_form:
         return str(ex.answer_text), bool(metrics.exact_match(pred.text, str(ex.answer_text)))
-    return ex.answer_letter, parse_option_letter(pred.text, len(ex.choices)) == ex.answer_index
+    return ex.answer_letter, mc_letter_reward(pred.text, ex) == 1.0
 
 
 def _repair_tail(path: Path) -> None:

@@ -8,8 +8,9 @@ and times what comes back, so every system is measured the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from elasticmem.data.schema import Example
 

@@ -41,8 +41,7 @@ def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
             raise FileNotFoundError(f"{cfg.eval.checkpoint} is not a saved ElasticMem model "
                                     f"({meta_path.name} missing); give train.output_dir/final or a checkpoint folder")
         base = from_dict(MemoryConfig, json.loads(meta_path.read_text())["memory"])
-    mine = [o.split("=", 1)[0].removeprefix("memory.") + "=" + o.split("=", 1)[1]
-            for o in overrides if o.startswith("memory.")]
+    mine = [o.removeprefix("memory.") for o in overrides if o.startswith("memory.")]
     return load(MemoryConfig, None, SYSTEM_MEMORY[cfg.eval.system] + mine, base=base)
 
 

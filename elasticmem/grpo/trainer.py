@@ -41,7 +41,7 @@ from elasticmem.grpo.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import ConfigError
 from elasticmem.utils.configuration import save as save_config
-from elasticmem.utils.distributed import full_parameters
+from elasticmem.utils.distributed import full_parameters, gathered
 
 
 # --------------------------------------------------------------------------- data order
@@ -246,12 +246,13 @@ def train(cfg: Config) -> dict[str, Any]:
     scheduler = _scheduler(optimizer, total * t.num_iterations, cfg)
     model, optimizer = acc.prepare(model, optimizer)
     deepspeed = acc.state.deepspeed_plugin is not None
+    trainable = [p for p in model.parameters() if p.requires_grad]  # what checkpoints hold
     core = acc.unwrap_model(model)
 
     state: dict[str, Any] = {"step": 0, "optimizer_steps": 0, "skipped_steps": 0, "sampler": sampler.state()}
     last = ckpt.latest_checkpoint(ckroot) if t.resume else None
     if last is not None:
-        with full_parameters(acc, model, modifier_rank=0):
+        with gathered(acc, trainable, modifier_rank=0):
             core.load_weights(last)
         state = ckpt.read_trainer_state(last, optimizer, scheduler)
         if deepspeed:
@@ -275,12 +276,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 import shutil
 
                 shutil.rmtree(tmp)
-        with full_parameters(acc, model):
+        with gathered(acc, trainable):
             if main:
                 core.save_pretrained(tmp)
         if main:
             ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()},
-                                     with_optimizer=acc.state.deepspeed_plugin is None)
+                                     with_optimizer=not deepspeed)
         acc.wait_for_everyone()
         ckpt.save_rng(tmp, rank)
         if deepspeed:
@@ -321,8 +322,10 @@ def train(cfg: Config) -> dict[str, Any]:
             norm = Normalizer.from_masks(masks, core.cfg.max_new_tokens, keep,
                                          with_control=core.cfg.retrieval == "control")
             norm = _reduce_normalizer(norm, acc)
-            with full_parameters(acc, model):
-                ref = _reference_logps(core, traj, t.loss.kl_beta)
+            ref = None
+            if t.loss.kl_beta > 0:
+                with full_parameters(acc, model):
+                    ref = _reference_logps(core, traj)
             # ---- optimisation
             model.train()
             old: list[PartLogProbs] = []
@@ -413,12 +416,12 @@ def train(cfg: Config) -> dict[str, Any]:
                 return {"stopped_at": step, "history": history}
     bar.close()
     result: dict[str, Any] = {"steps": state["step"], "skipped_steps": state["skipped_steps"], "history": history}
-    with full_parameters(acc, model):
+    with gathered(acc, trainable):
         if main:
             core.save_pretrained(out / "final")
-        if t.eval_split:
-            ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
     if t.eval_split:
+        with full_parameters(acc, model):
+            ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)
         result["eval"] = ev
         if main:
             (out / f"eval_{t.eval_split}.json").write_text(json.dumps(ev, indent=1))
@@ -444,10 +447,8 @@ def _to(parts, dev):
 
 
 @torch.no_grad()
-def _reference_logps(core, traj, beta: float) -> PartLogProbs | None:
+def _reference_logps(core, traj) -> PartLogProbs:
     """Log-probs of the adapter-disabled model (for the optional k3 KL term)."""
-    if beta <= 0:
-        return None
     with core.lm.disable_adapter():
         o = core.score(traj)
     return PartLogProbs(o.logp_control.cpu(), o.logp_budget.cpu(), o.logp_answer.cpu(), None)

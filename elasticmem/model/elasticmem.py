@@ -193,7 +193,8 @@ class ElasticMem(nn.Module):
         self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
         self.eos_ids = self._eos_ids()
         self._warned: set[str] = set()
-        self._chunk_tokens: dict[int, list[int]] = {}
+        self._chunk_tokens: dict[int, list[int]] = {}  # bank row -> token ids (text injection)
+        self._recent: dict[str, list[int]] = {}  # group -> rows (retrieval 'recent')
 
     # ------------------------------------------------------------------ parts
 
@@ -310,8 +311,9 @@ class ElasticMem(nn.Module):
     def _recent_rows(self, groups: list[str]) -> torch.Tensor:
         """[N, Z'] the latest rows of each group, oldest first, within top_z and recent_max_tokens."""
         chunks = self.bank.chunks()
-        per_group: dict[str, list[int]] = {}
         for g in dict.fromkeys(groups):
+            if g in self._recent:  # a group's latest chunks never change: pick them once
+                continue
             start, end = self.bank.group_rows(g)
             picked, used = [], 0
             for r in range(end - 1, start - 1, -1):
@@ -319,11 +321,11 @@ class ElasticMem(nn.Module):
                 if len(picked) == self.cfg.top_z or used > self.cfg.recent_max_tokens:
                     break
                 picked.append(r)
-            per_group[g] = picked[::-1]
-        Z = max(1, max(len(v) for v in per_group.values()))
+            self._recent[g] = picked[::-1]
+        Z = max(1, max(len(self._recent[g]) for g in groups))
         rows = torch.full((len(groups), Z), -1, dtype=torch.long)
         for i, g in enumerate(groups):
-            rows[i, : len(per_group[g])] = torch.as_tensor(per_group[g], dtype=torch.long)
+            rows[i, : len(self._recent[g])] = torch.as_tensor(self._recent[g], dtype=torch.long)
         return rows
 
     def _allocate(self, h, rows, scores, mask, greedy: bool, budgets: torch.Tensor | None = None):

@@ -38,25 +38,38 @@ def is_zero3(accelerator) -> bool:
 
 
 @contextlib.contextmanager
-def full_parameters(accelerator, model, modifier_rank: int | None = None) -> Iterator[None]:
-    """Make every parameter whole on every process while the block runs (a no-op but under ZeRO-3).
+def gathered(accelerator, params, modifier_rank: int | None = None) -> Iterator[None]:
+    """Make ``params`` whole on every process while the block runs (a no-op but under ZeRO-3),
+    to read or write weights without running the model (saving, loading).
 
-    ZeRO-3 keeps only a shard of each parameter per process and gathers it inside the
-    engine's forward. Sampling, greedy evaluation, the reference forward and saving run the
-    unwrapped model outside that forward, so they gather everything first and take the
-    engine's hooks off meanwhile (the hooks would re-partition the weights after each
-    submodule), as TRL's ``unwrap_model_for_generation`` does. ``modifier_rank`` (e.g. 0
-    when loading weights) broadcasts that process's changes on exit. A collective: call it
-    on every process.
+    ZeRO-3 keeps only a shard of each parameter per process. ``modifier_rank`` (e.g. 0 when
+    loading weights) broadcasts that process's changes on exit. A collective: call it on
+    every process.
     """
     if not is_zero3(accelerator):
         yield
         return
     import deepspeed
 
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank):
+        yield
+
+
+@contextlib.contextmanager
+def full_parameters(accelerator, model) -> Iterator[None]:
+    """Run the unwrapped model outside DeepSpeed's forward (a no-op but under ZeRO-3).
+
+    ZeRO-3 gathers a parameter only inside the engine's forward. Sampling, greedy evaluation
+    and the reference forward run the unwrapped model, so they gather everything first and
+    take the engine's hooks off meanwhile (the hooks would re-partition the weights after
+    each submodule), as TRL's ``unwrap_model_for_generation`` does. A collective.
+    """
+    if not is_zero3(accelerator):
+        yield
+        return
     offload = getattr(model, "optimizer", None)
     offload = getattr(offload, "parameter_offload", offload)
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank):
+    with gathered(accelerator, model.parameters()):
         hooked = offload is not None and hasattr(offload, "forward_hooks")
         if hooked:
             for p in model.parameters():

@@ -158,18 +158,13 @@ def subsample(examples: Sequence[Example], per_group: int) -> list[Example]:
 # --------------------------------------------------------------------------- scoring and tables
 
 
-def records_for(fmt: str, examples: Sequence[Example], preds: Sequence[Any]) -> list[dict[str, Any]]:
-    from elasticmem.eval.metrics import exact_match, make_record
-    from elasticmem.grpo.rewards import parse_option_letter
+def records_for(examples: Sequence[Example], preds: Sequence[Any]) -> list[dict[str, Any]]:
+    from elasticmem.eval.metrics import make_record
+    from elasticmem.eval.runner import gold_and_correct
 
     out = []
     for ex, p in zip(examples, preds):
-        if fmt == "qa":
-            gold = str(ex.answer_text)
-            correct = exact_match(p.text, gold) == 1.0
-        else:
-            gold = ex.answer_letter
-            correct = parse_option_letter(p.text, len(ex.choices)) == ex.answer_index
+        gold, correct = gold_and_correct(p, ex)  # the format follows the example (free-form or MC)
         rec = dict(make_record(p, question_type=ex.question_type, gold=gold, correct=correct))
         rec["amem"] = p.extra.get("amem", {})
         out.append(rec)
@@ -256,7 +251,7 @@ def run(cfg: LoCoMoRunConfig, system=None) -> dict[str, Any]:
         for i in range(0, len(exs), cfg.batch_questions):
             preds += system.predict(exs[i : i + cfg.batch_questions])
             logger.info("%s: answered %d/%d", fmt, len(preds), len(exs))
-        recs = records_for(fmt, exs, preds)
+        recs = records_for(exs, preds)
         with open(out_dir / f"predictions_{fmt}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
         results[fmt] = build_results(recs, free_form=(fmt == "qa"), system=system.name,

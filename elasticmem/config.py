@@ -9,15 +9,16 @@ with ``--help`` to list all keys with their documentation, e.g.::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.data.synthetic import SyntheticConfig
-from elasticmem.grpo.loss import LossConfig
 from elasticmem.model.budget_policy import BudgetPolicyConfig
 from elasticmem.model.projector import ProjectorConfig
 from elasticmem.utils import configuration
+from elasticmem.utils.common import require as _require
 
 ConfigError = configuration.ConfigError
 
@@ -204,6 +205,71 @@ class MemoryConfig:
     """The budget policy."""
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     """The projector from cached states to input embeddings."""
+
+
+AdvantageScale = Literal["group", "none"]
+LossType = Literal["grpo", "dr_grpo", "dapo"]
+ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+
+@dataclass
+class LossConfig:
+    """GRPO advantages and loss. Defaults follow the paper and reference code (DESIGN.md 1.7)."""
+
+    advantage_scale: AdvantageScale = "group"
+    """'group': A = (r - mean) / (max(std, std_floor) + 1e-8) within each query's group, std
+    unbiased as in TRL; 'none' (Dr. GRPO): A = r - mean, no division by the std."""
+    advantage_clamp: float | None = 5.0
+    """Clamp advantages to [-c, c]; null = no clamp."""
+    std_floor: float = 1e-4
+    """Lower bound on the group std in the advantage denominator ('group' scaling)."""
+    clip_eps: float = 0.05
+    """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO clip-higher, e.g. 0.28 with clip_eps 0.2); null = clip_eps."""
+    loss_type: LossType = "grpo"
+    """How unit losses are averaged (TRL names): 'grpo' = per-trajectory means of the LM and
+    budget units, then the mean over trajectories (paper); 'dr_grpo' = sums divided by
+    trajectories x the most units a trajectory can have; 'dapo' = sums divided by the number of
+    LM (budget) units in the whole batch."""
+    control_weight: float = 1.0
+    """Weight of the retrieval-control token's clipped objective (an LM unit)."""
+    budget_weight: float = 1.0
+    """Weight of the budget decisions' clipped objective."""
+    answer_weight: float = 1.0
+    """Weight of the answer tokens' clipped objective (LM units)."""
+    entropy_coef: float = 0.001
+    """Budget-policy entropy bonus: each budget unit's loss is lowered by entropy_coef times its
+    distribution's entropy, so the bonus is averaged like the budget units."""
+    kl_beta: float = 0.0
+    """Weight of the k3 KL estimate to the adapter-disabled model on the LM units; 0 = no
+    reference model (paper, reference code)."""
+    skip_uniform_groups: bool = False
+    """Leave out groups whose G rewards are all equal (zero advantage, no signal) from the loss
+    and from its normalisation."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        _require(self.advantage_scale in ADVANTAGE_SCALES,
+                 f"advantage_scale must be one of {list(ADVANTAGE_SCALES)}, got {self.advantage_scale!r}")
+        _require(self.loss_type in LOSS_TYPES, f"loss_type must be one of {list(LOSS_TYPES)}, got {self.loss_type!r}")
+        _require(self.advantage_clamp is None or self.advantage_clamp > 0,
+                 f"advantage_clamp must be > 0 or null, got {self.advantage_clamp}")
+        _require(self.std_floor >= 0, f"std_floor must be >= 0, got {self.std_floor}")
+        _require(0 <= self.clip_eps < 1, f"clip_eps must be in [0, 1) so that 1 - clip_eps > 0, got {self.clip_eps}")
+        _require(self.clip_eps_high is None or self.clip_eps_high >= 0,
+                 f"clip_eps_high must be >= 0 or null, got {self.clip_eps_high}")
+        for name in ("control_weight", "budget_weight", "answer_weight", "entropy_coef", "kl_beta"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip range in effect."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 @dataclass

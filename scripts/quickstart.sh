@@ -2,7 +2,8 @@
 # The main job on the embedded default: install, fetch the offline SmolLM2 model, prepare the
 # synthetic memory task, build its latent memory bank, train ElasticMem with GRPO (train.py
 # evaluates it greedily on the validation split at the end), then compare it on the test split
-# with the no-memory and text-RAG baselines (runs/eval/quickstart/comparison.md).
+# with the no-memory and text-RAG baselines (runs/eval/quickstart/comparison.md), from scratch
+# (eval.overwrite=true: a rerun with other settings must not resume the last run's predictions).
 #   bash scripts/quickstart.sh [key=value ...]      # overrides go to every step
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,4 +13,4 @@ python -m elasticmem.backbone fetch smollm2
 python -m elasticmem.data.prepare synthetic --config "$CONFIG" "$@"
 python build_bank.py --config "$CONFIG" "$@"
 python train.py --config "$CONFIG" "$@"
-python evaluate.py --config "$CONFIG" "$@"
+python evaluate.py --config "$CONFIG" eval.overwrite=true "$@"

@@ -10,6 +10,14 @@ an unpadded forward pass, so results do not depend on batch size), written to
 a temporary file and renamed, and recorded in ``.build/``; an interrupted
 build skips finished shards. Processes started by ``accelerate launch`` take
 shards round-robin; the main process writes the manifest once all are done.
+
+The manifest's ``groups_sha256`` records, per group, ``chunks_fingerprint`` of
+the group's chunk texts in row order (computed from the plan, so every process,
+shard layout and resumed build records the same). With ``tokenization`` and the
+encoder fingerprint it pins what the bank encodes: ``elasticmem.data.validate``
+compares it with the chunks of the examples about to be used. Running the
+builder again on a finished bank of the same plan that lacks it (built by an
+older version) records it without encoding anything.
 """
 
 from __future__ import annotations
@@ -28,10 +36,10 @@ import torch
 from safetensors.torch import save as st_save
 from tqdm.auto import tqdm
 
-from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, MANIFEST, Bank, BankError, shard_name
+from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, Bank, BankError, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
-from elasticmem.data.schema import Example, SchemaError
+from elasticmem.data.schema import Example, SchemaError, Turn
 
 BUILD_DIR = ".build"
 
@@ -75,6 +83,17 @@ def encode_batch(
 # --------------------------------------------------------------------------- planning
 
 
+def chunks_fingerprint(texts: Sequence[str]) -> str:
+    """sha256 (hex) of a group's chunk texts in row order: of ``json.dumps(texts, ensure_ascii=False)``
+    in UTF-8, so it can be recomputed from ``chunks.jsonl`` alone."""
+    return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def history_fingerprint(history: Sequence[Sequence[Turn]]) -> str:
+    """``chunks_fingerprint`` of the chunks ``chunk_history`` makes of ``history`` (no tokenizer needed)."""
+    return chunks_fingerprint([c.text for c in chunk_history(history, "")])
+
+
 @dataclass
 class Plan:
     """Everything that determines the bank's content, fixed before encoding."""
@@ -86,6 +105,8 @@ class Plan:
     header: dict[str, Any]
     """Manifest fields known before encoding (encoder, shapes, tokenization)."""
     plan_id: str
+    groups_sha256: dict[str, str]
+    """``chunks_fingerprint`` of each group's chunks (not part of ``plan_id``, which predates it)."""
 
 
 def collect_groups(examples_by_split: dict[str, list[Example]]) -> dict[str, Example]:
@@ -121,11 +142,13 @@ def make_plan(
         raise SchemaError("no examples found: the bank would be empty")
     chunks: list[Chunk] = []
     groups: dict[str, tuple[int, int]] = {}
+    groups_sha256: dict[str, str] = {}
     for g, ex in groups_first.items():
         cs = chunk_history(ex.history, g)
         if not cs:
             raise SchemaError(f"example {ex.id!r} (group {g!r}) has no turns: nothing to remember")
         groups[g] = (len(chunks), len(chunks) + len(cs))
+        groups_sha256[g] = chunks_fingerprint([c.text for c in cs])
         chunks.extend(cs)
     token_ids = tokenize_chunks(
         [c.text for c in chunks], tokenizer, chunking.max_tokens, chunking.truncation_side, chunking.add_special_tokens
@@ -153,7 +176,7 @@ def make_plan(
     for ids in token_ids:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-    return Plan(chunks, token_ids, groups, bounds, header, h.hexdigest())
+    return Plan(chunks, token_ids, groups, bounds, header, h.hexdigest(), groups_sha256)
 
 
 # --------------------------------------------------------------------------- writing
@@ -269,6 +292,18 @@ def _write_chunks(out: Path, plan: Plan) -> None:
     _atomic_write_text(out / CHUNKS, "\n".join(lines) + "\n")
 
 
+def _record_fingerprints(out: Path, plan: Plan) -> None:
+    """A finished bank of this plan whose manifest lacks this data's chunk fingerprints (an older
+    version's bank, or texts that differ only past the token cap): its rows are exactly what this
+    data gives, so record the chunk texts and their fingerprints without encoding anything."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    if manifest.get(GROUPS_SHA256) == plan.groups_sha256:
+        return
+    _write_chunks(out, plan)
+    manifest[GROUPS_SHA256] = plan.groups_sha256
+    _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+
+
 @dataclass
 class BuildResult:
     bank_dir: Path
@@ -317,6 +352,8 @@ def build_bank(
         status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=True)
         if status != "done":
             _write_chunks(out, plan)
+        else:
+            _record_fingerprints(out, plan)
     barrier()
     if status == "done":
         return BuildResult(out, "already built", len(plan.chunks), len(plan.groups), num_tokens, 0,
@@ -348,6 +385,7 @@ def build_bank(
         manifest = dict(plan.header)
         manifest["shards"] = [{k: r[k] for k in ("file", "rows", "sha256", "bytes")} for r in shards]
         manifest["groups"] = {g: list(r) for g, r in plan.groups.items()}
+        manifest[GROUPS_SHA256] = plan.groups_sha256
         manifest["build"] = {
             "plan_id": plan.plan_id,
             "num_processes": world,
@@ -371,4 +409,5 @@ def resolve_cache_dtype(spec: str, device: torch.device) -> torch.dtype:
     return getattr(torch, spec)
 
 
-__all__ = ["Bank", "BuildResult", "build_bank", "encode_batch", "encode_shard", "make_plan", "resolve_cache_dtype"]
+__all__ = ["Bank", "BuildResult", "build_bank", "chunks_fingerprint", "encode_batch", "encode_shard",
+           "history_fingerprint", "make_plan", "resolve_cache_dtype"]

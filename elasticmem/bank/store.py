@@ -5,6 +5,8 @@ Shards are safetensors files read through ``safe_open``, which maps them: a
 Opening checks that every shard exists with its recorded size (a cheap test
 that catches truncation); ``verify=True`` (or ``Bank.verify()``) re-hashes
 every shard against the manifest's sha256, which reads the whole bank.
+Whether the bank holds the chunks of given examples is checked by
+``elasticmem.data.validate.validate_examples`` against ``Bank.groups_sha256``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from elasticmem.utils.common import sha256_file
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CHUNKS = "chunks.jsonl"
+GROUPS_SHA256 = "groups_sha256"
+"""Manifest field: {group: ``builder.chunks_fingerprint`` of its chunk texts in row order}."""
 
 
 class BankError(RuntimeError):
@@ -133,6 +137,11 @@ class Bank:
     @property
     def fingerprint(self) -> str:
         return self.manifest["encoder"]["fingerprint"]
+
+    @property
+    def groups_sha256(self) -> dict[str, str] | None:
+        """Per group, the fingerprint of its chunk texts; None for a bank built before banks recorded it."""
+        return self.manifest.get(GROUPS_SHA256)
 
     def __len__(self) -> int:
         return self.num_chunks

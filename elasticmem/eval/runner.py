@@ -8,6 +8,14 @@ and only answers what is missing. When all processes are done, the main process
 merges the parts into ``predictions.jsonl`` in the split's order, checks that
 every example is there exactly once, and writes ``results.json``, ``report.md``,
 the budget plots and ``case_study.md``.
+
+Resuming never mixes evaluations: before the first record, ``run_identity.json``
+records what makes the answers (``MemorySystem.identity()``: system, weights by
+content hash, memory settings, model, bank; plus the split), and each record
+carries its example's fingerprint. A folder holding predictions of another
+identity, or of examples whose data changed, is refused (``OutputDirError``)
+unless ``overwrite`` deletes them first. The limit, batch size and number of
+processes are not part of the identity: a larger limit reuses the answered prefix.
 """
 
 from __future__ import annotations
@@ -21,10 +29,20 @@ from typing import Any, Callable, Sequence
 
 from elasticmem.data.schema import Example
 from elasticmem.eval import metrics
-from elasticmem.eval.system import MemorySystem, Prediction
+from elasticmem.eval.system import MemorySystem, Prediction, fingerprint
 from elasticmem.grpo.rewards import mc_letter_reward
 
 PART = "predictions.part-{rank}.jsonl"
+IDENTITY = "run_identity.json"
+OUTPUTS = ("predictions.jsonl", "results.json", "report.md", "case_study.md", "budget_by_rank.png",
+           "budget_vs_score.png", "budget_histogram.png")
+"""What ``finalize`` writes from the part files (``overwrite`` deletes them with the parts)."""
+EXAMPLE_KEY = "example_fingerprint"
+"""Key of a record's example fingerprint (``fingerprint(example.to_json())``)."""
+
+
+class OutputDirError(RuntimeError):
+    """The output folder holds predictions of another evaluation (system, weights, settings or data)."""
 
 
 def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
@@ -42,10 +60,14 @@ def _repair_tail(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
+def _parts(out: Path) -> list[Path]:
+    return sorted(out.glob(PART.format(rank="*")))
+
+
 def read_parts(out: Path) -> dict[str, dict[str, Any]]:
     """Records already written by any process of any earlier run, by example id."""
     done: dict[str, dict[str, Any]] = {}
-    for part in sorted(out.glob(PART.format(rank="*"))):
+    for part in _parts(out):
         for line in part.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 rec = json.loads(line)
@@ -56,6 +78,71 @@ def read_parts(out: Path) -> dict[str, dict[str, Any]]:
 def _barrier(state) -> None:
     if state is not None and state.num_processes > 1:
         state.wait_for_everyone()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+_ABSENT = object()
+_ADVICE = "use another eval.output_dir, or add eval.overwrite=true to delete them and start over"
+
+
+def _short(v: Any) -> str:
+    text = "absent" if v is _ABSENT else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def identity_mismatch(out: Path, identity: dict[str, Any]) -> str | None:
+    """Why ``out``'s predictions cannot be resumed by a run of ``identity`` (None = they can)."""
+    path = out / IDENTITY
+    if not path.is_file():
+        if _parts(out) or (out / "predictions.jsonl").exists():
+            return (f"{out} holds predictions without {IDENTITY} (written by an older version?), so what "
+                    f"made them is unknown: {_ADVICE}")
+        return None
+    old = json.loads(path.read_text())["identity"]
+    if old == identity:
+        return None
+    a, b = _flatten(old), _flatten(identity)
+    diffs = [k for k in sorted(set(a) | set(b)) if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    listed = "; ".join(f"{k}: {_short(a.get(k, _ABSENT))} there, {_short(b.get(k, _ABSENT))} now" for k in diffs[:6])
+    if len(diffs) > 6:
+        listed += f"; and {len(diffs) - 6} more (see {path})"
+    return (f"{out} holds predictions of system {old.get('system')!r} made differently from this run of "
+            f"{identity.get('system')!r} ({listed}): {_ADVICE}")
+
+
+def claim_output(out: Path, identity: dict[str, Any], *, state=None, overwrite: bool = False,
+                 meta: dict[str, Any] | None = None) -> None:
+    """Make ``out`` hold only predictions of ``identity`` or raise ``OutputDirError``.
+
+    The main process deletes the old outputs (``overwrite``), or records ``identity`` in a folder
+    without predictions, and repairs the part files it may resume; then every process compares
+    the folder with ``identity`` itself, so all of them fail alike and none waits at a barrier."""
+    identity = json.loads(json.dumps(identity))  # as it reads back from disk (tuples -> lists, ...)
+    if state is None or state.process_index == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for p in [*_parts(out), out / IDENTITY, *(out / f for f in OUTPUTS)]:
+                p.unlink(missing_ok=True)
+        if not _parts(out) and not (out / "predictions.jsonl").exists():
+            tmp = out / f"{IDENTITY}.tmp"
+            tmp.write_text(json.dumps({"identity": identity, "meta": meta or {}}, indent=1, ensure_ascii=False))
+            os.replace(tmp, out / IDENTITY)
+        if identity_mismatch(out, identity) is None:
+            for part in _parts(out):
+                _repair_tail(part)
+    _barrier(state)
+    why = identity_mismatch(out, identity)
+    if why is not None:
+        raise OutputDirError(why)
 
 
 def evaluate(
@@ -70,12 +157,19 @@ def evaluate(
     plots: bool = True,
     progress: bool = True,
     scorer: Callable[[Prediction, Example], tuple[str, bool]] = gold_and_correct,
+    settings: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    config: Any = None,
 ) -> dict[str, Any] | None:
     """Answer ``examples`` with ``system`` into ``out_dir``; the results dict (main process).
 
     ``state`` is an ``accelerate.PartialState`` (None = one process). Examples are assigned
     round-robin over the processes after removing those already answered, so a resumed run
     with another number of processes still answers each example exactly once.
+    ``settings``: what else changes the answers (e.g. ``{"split": "test"}``), added to
+    ``system.identity()``. A folder holding another identity's predictions, or predictions of
+    examples whose data changed, raises ``OutputDirError``; ``overwrite`` deletes them first.
+    ``config`` (a config dataclass) is saved as ``config.yaml`` once the folder is this run's.
     """
     out = Path(out_dir)
     rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
@@ -83,14 +177,23 @@ def evaluate(
     ids = [ex.id for ex in examples]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate example ids in the evaluation set")
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        for part in out.glob(PART.format(rank="*")):
-            _repair_tail(part)
-    _barrier(state)
+    ident = getattr(system, "identity", None)
+    identity = {"system": system.name, **(ident() if ident is not None else {}), **(settings or {})}
+    claim_output(out, identity, state=state, overwrite=overwrite, meta=meta)
+    if main and config is not None:
+        from elasticmem.utils.configuration import save
+
+        save(config, out / "config.yaml")
+    prints = {ex.id: fingerprint(ex.to_json()) for ex in examples}
     done = read_parts(out)
+    changed = [i for i in ids if i in done and done[i].get(EXAMPLE_KEY) != prints[i]]
+    if changed:
+        raise OutputDirError(f"{out} holds predictions of {len(changed)} example(s) whose data differ from this "
+                             f"run's (e.g. {changed[:3]}; the split file changed since they were answered): "
+                             f"{_ADVICE}")
     pending = [ex for ex in examples if ex.id not in done]
     mine = pending[rank::world]
+    _barrier(state)  # every process has read the parts before any appends: they all split the same list
     if main and done:
         print(f"[evaluate] {out}: {len(examples) - len(pending)} of {len(examples)} examples already answered; "
               f"answering {len(pending)}", file=sys.stderr)
@@ -107,6 +210,7 @@ def evaluate(
             for p, ex in zip(preds, batch):
                 gold, correct = scorer(p, ex)
                 rec = metrics.make_record(p, question_type=ex.question_type, gold=gold, correct=correct)
+                rec[EXAMPLE_KEY] = prints[ex.id]  # type: ignore[typeddict-unknown-key]
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())

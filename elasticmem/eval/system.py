@@ -3,11 +3,14 @@
 ``evaluate.py`` hands a system batches of examples of the shared schema and gets back one
 ``Prediction`` per example. How a system remembers (soft tokens from a bank, plain text
 chunks, A-Mem notes, nothing) is its own business; the harness only scores, counts tokens
-and times what comes back, so every system is measured the same way.
+and times what comes back, so every system is measured the same way. ``identity()`` says what
+makes its answers, so a resumed evaluation never mixes the predictions of two systems.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -69,3 +72,15 @@ class MemorySystem(Protocol):
     def predict(self, examples: Sequence[Example]) -> list[Prediction]:
         """Greedy answers for a batch, in order, one ``Prediction`` per example."""
         ...
+
+    def identity(self) -> dict[str, Any]:
+        """JSON-able description of everything that changes the answers (weights by content hash,
+        memory and prompt settings), and nothing that does not (batch size, paths, processes):
+        an output folder holding predictions of another identity is not resumed."""
+        ...
+
+
+def fingerprint(obj: Any) -> str:
+    """``sha256:<hex>`` of ``obj``'s canonical JSON (sorted keys): equal for equal JSON values."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

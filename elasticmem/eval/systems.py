@@ -19,8 +19,9 @@ from typing import Sequence
 
 from elasticmem.config import Config, MemoryConfig
 from elasticmem.data.schema import Example
-from elasticmem.eval.system import MemorySystem, Prediction, Retrieved
-from elasticmem.utils.configuration import from_dict, load
+from elasticmem.eval.system import MemorySystem, Prediction, Retrieved, fingerprint
+from elasticmem.utils.common import sha256_file
+from elasticmem.utils.configuration import from_dict, load, to_dict
 
 SYSTEM_MEMORY: dict[str, list[str]] = {
     "elasticmem": [],
@@ -45,12 +46,46 @@ def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
     return load(MemoryConfig, None, SYSTEM_MEMORY[cfg.eval.system] + mine, base=base)
 
 
+CHECKPOINT_WEIGHTS = ("adapter/adapter_model.safetensors", "budget_policy.safetensors", "projector.safetensors")
+"""The files of a saved model (``ElasticMem.save_pretrained``) that hold trained weights."""
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """Hash of a checkpoint's weight files' contents: a model retrained into the same folder differs."""
+    return fingerprint({f: sha256_file(Path(path) / f) for f in CHECKPOINT_WEIGHTS})
+
+
+def bank_fingerprint(bank) -> str:
+    """Hash of a bank's manifest (encoder, tokenization, groups, every shard's sha256, the build
+    plan's hash of the chunk tokens), leaving out how many processes built it."""
+    manifest = {k: v for k, v in bank.manifest.items() if k != "build"}
+    manifest["plan_id"] = bank.manifest.get("build", {}).get("plan_id")
+    return fingerprint(manifest)
+
+
 class ElasticMemSystem:
     """Greedy answers of an ``ElasticMem`` model (any injection / retrieval setting)."""
 
-    def __init__(self, model, name: str = "elasticmem"):
+    def __init__(self, model, name: str = "elasticmem", checkpoint: str | None = None,
+                 settings: dict | None = None):
+        """``checkpoint``: the weights' ``checkpoint_fingerprint`` (None = untrained parts);
+        ``settings``: other JSON-able settings that change the answers (seed, index), for ``identity``."""
         self.model = model
         self.name = name
+        self.checkpoint = checkpoint
+        self.settings = dict(settings or {})
+
+    def identity(self) -> dict:
+        model = self.model
+        return {
+            "system": self.name,
+            "memory": to_dict(model.cfg),
+            "backbone": {"name_or_path": model.backbone_name, "fingerprint": model.fingerprint,
+                         "dtype": str(next(model.lm.parameters()).dtype).removeprefix("torch.")},
+            "bank": bank_fingerprint(model.bank),
+            "checkpoint": self.checkpoint,
+            **self.settings,
+        }
 
     def predict(self, examples: Sequence[Example]) -> list[Prediction]:
         import torch
@@ -93,7 +128,10 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> Mem
     backbone = load_backbone(cfg.model, device=device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed))
+    checkpoint = None
     if cfg.eval.checkpoint:
+        checkpoint = checkpoint_fingerprint(cfg.eval.checkpoint)
         model.load_weights(cfg.eval.checkpoint)
     model.eval()
-    return ElasticMemSystem(model, cfg.eval.system)
+    index = {k: v for k, v in to_dict(cfg.bank.index).items() if k != "save"}  # save only caches
+    return ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index})

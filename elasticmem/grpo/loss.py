@@ -33,7 +33,6 @@ Test with::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Sequence
 

@@ -4,17 +4,26 @@ Per rollout step: each process draws its own B queries and samples G
 trajectories per query (rollout, eval mode, no gradients) -> rewards ->
 group-relative advantages -> for each of ``num_iterations`` optimizer steps,
 score the trajectories in micro-batches (train mode, gradients) and
-accumulate the loss -> clip -> AdamW -> cosine schedule -> log -> checkpoint.
+accumulate the loss -> agree on finiteness -> clip -> AdamW -> cosine
+schedule -> log -> checkpoint.
 
 Dropout (LoRA, policy, projector) is off while sampling, so actions come from
-the deterministic policy network, and on while scoring. The old log-probs of
-the first iteration are the detached log-probs of that same scoring pass
-(ratio 1: the on-policy gradient, whatever the dropout draw); later
-iterations reuse them, as TRL does.
+the deterministic policy network, and on while scoring. Each micro-batch keeps
+one dropout mask for the whole rollout step (its scoring passes run under one
+seed), and the old log-probs are the detached log-probs of its first scoring
+pass: the ratio is exactly 1 at the first inner iteration and later moves only
+because the parameters moved, never because the dropout draw changed.
 
 Distributed: ``accelerate launch`` (DDP, DeepSpeed); a group never spans
-processes; the loss uses global normalisers and is multiplied by the number of
-processes so that DDP's gradient averaging yields the full-batch gradient.
+processes; the loss uses global normalisers. Under DDP every micro-batch's
+backward runs without gradient synchronisation; the processes then agree that
+every loss was finite before the one collective that sums the gradients, so a
+non-finite loss on one process skips the step on all of them and never leaves
+them in different collectives.
+
+Run with::
+
+    python train.py --config configs/tiny.yaml
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import ConfigError
 from elasticmem.utils.configuration import save as save_config
 from elasticmem.utils.distributed import full_parameters, gathered
-
 
 # --------------------------------------------------------------------------- data order
 
@@ -208,6 +216,65 @@ def greedy_eval(model, examples: Sequence[Example], reward_fn, batch_size: int, 
     }
 
 
+# --------------------------------------------------------------------------- resuming
+
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "train.max_steps", "train.epochs", "train.stop_after_steps", "train.save_every", "train.keep_last",
+    "train.log_every", "train.log_rollouts", "train.eval_split", "train.eval_every", "train.eval_limit",
+    "train.eval_batch_size", "train.micro_batch_size", "train.trackers", "train.record_rollouts",
+    "train.resume", "model.device", "model.cache_dir", "data.dir", "bank.dir", "bank.verify",
+    "bank.overwrite", "bank.batch_size", "bank.index.save", "eval.", "amem.",
+)
+"""Config keys (or sections, ending in '.') a resumed run may change: how long to run, how
+often to log, save and evaluate, where files are, and how much fits in memory at once
+(micro-batches change memory, not results). Moving data.dir or bank.dir is allowed because
+the bank's encoder and corpus fingerprints are checked on their own."""
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dataclass as {dotted key: value}."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out.update(_flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}": v})
+    return out
+
+
+def config_changes(saved: Config, cfg: Config) -> list[str]:
+    """Dotted keys whose values differ between ``saved`` and ``cfg``, except ``RESUME_MAY_CHANGE``."""
+    a, b = _flat(saved), _flat(cfg)
+    free = lambda k: any(k == m or (m.endswith(".") and k.startswith(m)) for m in RESUME_MAY_CHANGE)  # noqa: E731
+    return sorted(k for k in a.keys() | b.keys() if not free(k) and a.get(k) != b.get(k))
+
+
+def resumable_checkpoint(cfg: Config, ckroot: Path) -> Path | None:
+    """The checkpoint to resume from, or None to start; refuses to mix two runs in one folder.
+
+    With ``train.resume`` the newest checkpoint is resumed only if it was written with the
+    same settings (apart from ``RESUME_MAY_CHANGE``); with resume off, a folder that already
+    holds checkpoints is refused rather than overwritten step by step.
+    """
+    from elasticmem.utils.configuration import load
+
+    last = ckpt.latest_checkpoint(ckroot)
+    if last is None:
+        return None
+    if not cfg.train.resume:
+        raise ConfigError(f"train.resume=false but {ckroot} holds checkpoints of an earlier run (newest {last.name}): "
+                          f"choose another train.output_dir or delete that folder")
+    saved_path = last / "config.yaml"
+    if not saved_path.is_file():  # written by a version that kept the config only next to the run
+        saved_path = ckroot.parent / "config.yaml"
+    if saved_path.is_file():
+        changed = config_changes(load(Config, saved_path), cfg)
+        if changed:
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            raise ConfigError(f"{ckroot.parent} holds a run with other settings ({shown} differ from {saved_path}); "
+                              f"resuming would mix two runs: choose another train.output_dir, or rerun with the "
+                              f"saved settings to continue it")
+    return last
+
+
 # --------------------------------------------------------------------------- the loop
 
 
@@ -218,6 +285,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_index
     from elasticmem.data.schema import load_split
+    from elasticmem.data.validate import validate_examples
     from elasticmem.model.elasticmem import ElasticMem
 
     t = cfg.train
@@ -225,6 +293,7 @@ def train(cfg: Config) -> dict[str, Any]:
     rank, world, main = acc.process_index, acc.num_processes, acc.is_main_process
     out = Path(t.output_dir)
     ckroot = out / "checkpoints"
+    last = resumable_checkpoint(cfg, ckroot)  # before anything is written: refuses a different run
     if main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
@@ -235,10 +304,10 @@ def train(cfg: Config) -> dict[str, Any]:
     mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
     model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
     examples = load_split(cfg.data.dir, t.split)
-    free = [ex.id for ex in examples if ex.is_free_form]
-    if free and t.reward == "mc_letter":
-        raise ConfigError(f"{cfg.data.dir}/{t.split}.jsonl holds free-form examples (e.g. {free[0]!r}) that the "
-                         f"mc_letter reward cannot score; train on a multiple-choice preparation (e.g. locomo-mc10)")
+    # everything that would otherwise fail at some batch hours in (the evaluation split too)
+    for split, exs in [(t.split, examples)] + ([(t.eval_split, _eval_examples(cfg))] if t.eval_split else []):
+        validate_examples(exs, bank, reward=t.reward, chunking=cfg.chunking, top_z=mem_cfg.top_z,
+                          split_name=f"{cfg.data.dir}/{split}.jsonl")
     reward_fn = get_reward(t.reward)
     sampler = QuerySampler(len(examples), t.batch_size, world, rank, cfg.seed)
     total = t.max_steps or max(1, math.floor(t.epochs * len(examples) / (t.batch_size * world)))
@@ -250,7 +319,6 @@ def train(cfg: Config) -> dict[str, Any]:
     core = acc.unwrap_model(model)
 
     state: dict[str, Any] = {"step": 0, "optimizer_steps": 0, "skipped_steps": 0, "sampler": sampler.state()}
-    last = ckpt.latest_checkpoint(ckroot) if t.resume else None
     if last is not None:
         with gathered(acc, trainable, modifier_rank=0):
             core.load_weights(last)
@@ -280,6 +348,7 @@ def train(cfg: Config) -> dict[str, Any]:
             if main:
                 core.save_pretrained(tmp)
         if main:
+            save_config(cfg, tmp / "config.yaml")
             ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()},
                                      with_optimizer=not deepspeed)
         acc.wait_for_everyone()
@@ -328,54 +397,61 @@ def train(cfg: Config) -> dict[str, Any]:
                     ref = _reference_logps(core, traj)
             # ---- optimisation
             model.train()
+            micro = [list(range(i, min(i + t.micro_batch_size, len(traj))))
+                     for i in range(0, len(traj), t.micro_batch_size)]
+            # one dropout mask per micro-batch for the whole step (see the module docstring)
+            seeds = torch.randint(0, 2**62, (len(micro),)).tolist()
             old: list[PartLogProbs] = []
+            losses = LossLog(t.num_iterations)
             t_score = t_back = 0.0
-            metrics_acc: Counter = Counter()
             for it in range(t.num_iterations):
-                micro = [list(range(i, min(i + t.micro_batch_size, len(traj))))
-                         for i in range(0, len(traj), t.micro_batch_size)]
-                finite = True
+                local_ok = True
                 for mi, ids in enumerate(micro):
-                    sub = traj.select(ids)
-                    sync = contextlib.nullcontext() if mi == len(micro) - 1 else acc.no_sync(model)
+                    sub, sel = traj.select(ids), torch.as_tensor(ids)
+                    # DDP: no gradient collective inside the loop (gradients are summed below,
+                    # once every process knows the others' losses were finite)
+                    sync = acc.no_sync(model) if not deepspeed else contextlib.nullcontext()
                     with sync:
                         ts = time.perf_counter()
-                        with acc.autocast():
+                        with same_dropout(seeds[mi], acc.device), acc.autocast():
                             o = model(sub)
                         new = PartLogProbs.of(o)
                         if it == 0:
                             old.append(PartLogProbs(new.control.detach(), new.budget.detach(), new.answer.detach()))
-                        dev, sel = new.control.device, torch.as_tensor(ids)
+                        dev = new.control.device
                         loss, m = elasticmem_loss(
                             new, old[mi], adv[sel].to(dev), _to(masks.select(sel), dev), t.loss, norm,
                             ref=None if ref is None else _to(ref.select(sel), dev),
                             keep=None if keep is None else keep[sel].to(dev),
                         )
                         tb = time.perf_counter()
-                        finite &= bool(torch.isfinite(loss))
+                        local_ok &= bool(torch.isfinite(loss))
                         if deepspeed:
                             # DeepSpeed owns accumulation: the last micro-batch is the boundary
-                            # where it reduces gradients. The loss is already normalised over
-                            # the whole batch, hence no 1/accumulation scaling; a non-finite
-                            # gradient makes DeepSpeed skip its step (checked below).
+                            # where it reduces gradients (an average over processes, hence
+                            # * world). The loss is already normalised over the whole batch,
+                            # hence no 1/accumulation scaling; a non-finite gradient makes
+                            # DeepSpeed skip its step (checked below).
                             model.set_gradient_accumulation_boundary(mi == len(micro) - 1)
                             model.backward(loss * world, scale_wrt_gas=False)
-                        elif finite:
-                            acc.backward(loss * world)
+                        elif local_ok:
+                            acc.backward(loss)
                         t_score += tb - ts
                         t_back += time.perf_counter() - tb
-                    for k, v in m.items():
-                        metrics_acc[k] += float(v) * len(ids) / len(traj) / t.num_iterations
-                    metrics_acc["loss"] += float(loss.detach()) / t.num_iterations
+                    losses.add(loss, m)
                 if deepspeed:
                     skipped_before = model.skipped_steps
                     model.step()  # clips, steps (or skips on a non-finite gradient), zeroes gradients
                     grad_norm = float(model.get_global_grad_norm() or 0.0)
                     stepped = model.skipped_steps == skipped_before
                 else:
-                    grad_norm = _finite_grad_norm(model, acc, t.max_grad_norm) if finite else float("nan")
-                    ok = torch.tensor(float(finite and math.isfinite(grad_norm)), device=acc.device)
-                    stepped = bool(acc.reduce(ok, reduction="sum") == world)
+                    stepped = _all_finite(local_ok, acc)
+                    grad_norm = float("nan")
+                    if stepped:
+                        _sum_gradients(trainable, acc)
+                        # the same summed gradients on every process: they all agree on this too
+                        grad_norm = _grad_norm(trainable, acc, t.max_grad_norm)
+                        stepped = math.isfinite(grad_norm)
                     if stepped:
                         optimizer.step()
                 if stepped:
@@ -392,7 +468,7 @@ def train(cfg: Config) -> dict[str, Any]:
             state["sampler"] = sampler.state()
             # ---- log
             if step % t.log_every == 0 or step == total:
-                row = _step_metrics(step, traj, rewards, metrics_acc, acc, core, grad_norm, scheduler, state,
+                row = _step_metrics(step, traj, rewards, losses.reduce(acc), acc, core, grad_norm, scheduler, state,
                                     {"rollout": t1 - t0, "score": t_score, "backward": t_back, "total": t2 - t0})
                 if main:
                     _append_jsonl(metrics_path, row)
@@ -464,12 +540,89 @@ def _reduce_normalizer(norm: Normalizer, acc) -> Normalizer:
                                for a, b, c in parts])
 
 
-def _finite_grad_norm(model, acc, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.requires_grad]
+@contextlib.contextmanager
+def same_dropout(seed: int, device: torch.device):
+    """Run the block with the torch RNG seeded by ``seed`` and restore the RNG afterwards.
+
+    Every scoring pass of one micro-batch runs under its step's seed, so all its passes
+    draw the same dropout masks (the ratio reflects parameter updates only) while the
+    rollout RNG stream is left as it was.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _all_finite(local_ok: bool, acc) -> bool:
+    """True on every process when every process's losses were finite (one collective)."""
+    if acc.num_processes == 1:
+        return local_ok
+    ok = torch.tensor(float(local_ok), device=acc.device)
+    return bool(acc.reduce(ok, reduction="sum") == acc.num_processes)
+
+
+def _sum_gradients(params: Sequence[torch.nn.Parameter], acc) -> None:
+    """Sum the gradients of ``params`` over processes, in one flat all-reduce.
+
+    Written out instead of DDP's bucketed hooks so that no gradient collective starts
+    before the processes agree to step; the trainable parameters are LoRA, policy and
+    projector, small enough that losing the overlap with backward costs little. A
+    parameter without a gradient here (e.g. the projector when every budget was 0)
+    contributes zeros, as it may have one on another process.
+    """
+    if acc.num_processes == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = acc.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="sum")
+    for p, g in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = g.view_as(p).clone()
+
+
+def _grad_norm(params: Sequence[torch.nn.Parameter], acc, max_norm: float) -> float:
+    """Global gradient norm before clipping (and clip to ``max_norm`` when > 0)."""
     if max_norm > 0:
         return float(acc.clip_grad_norm_(params, max_norm))
     grads = [p.grad.detach().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+class LossLog:
+    """Loss metrics of one rollout step, over micro-batches, processes and inner iterations.
+
+    ``elasticmem_loss`` returns, per micro-batch, additive values (the normalised loss terms
+    ``loss``, ``loss/lm``, ``loss/budget`` and the unit counts ``units/*``: they add up to
+    the full batch's) and unit means (``objective/*``, ``clip_frac/*``, ``ratio/*``,
+    ``entropy/budget``, ``kl``). Additive values are summed, means are weighted by their
+    units (budget units for ``*/budget``, LM units otherwise); both are summed over
+    processes and averaged over the inner iterations.
+    """
+
+    ADDITIVE = ("loss", "loss/lm", "loss/budget", "units/lm", "units/budget")
+
+    def __init__(self, num_iterations: int) -> None:
+        self.n = num_iterations
+        self.sums: Counter = Counter()
+
+    @staticmethod
+    def _units_key(key: str) -> str:
+        return "units/budget" if key.endswith("/budget") else "units/lm"
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        values["loss"] = float(loss.detach())
+        for k, v in values.items():
+            weight = 1.0 if k in self.ADDITIVE else values[self._units_key(k)]
+            self.sums[k] += v * weight / self.n
+
+    def reduce(self, acc) -> dict[str, float]:
+        """The step's metrics (a collective when there are several processes)."""
+        keys = sorted(self.sums)
+        vals = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+        if acc.num_processes > 1:
+            vals = acc.reduce(vals.to(acc.device), reduction="sum").cpu()
+        tot = dict(zip(keys, vals.tolist()))
+        return {k: v if k in self.ADDITIVE else v / max(tot[self._units_key(k)], 1.0) for k, v in tot.items()}
 
 
 def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state, times) -> dict[str, Any]:
@@ -481,8 +634,6 @@ def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state
     hist = torch.bincount(traj.budgets[traj.mask].clamp(0, bmax), minlength=bmax + 1).to(dev)
     if acc.num_processes > 1:
         hist = acc.reduce(hist, reduction="sum")
-        loss_t = acc.reduce(torch.tensor([m[k] for k in sorted(m)], device=dev), reduction="mean").tolist()
-        m = dict(zip(sorted(m), loss_t))
     r = allv[:, 0]
     row = {
         "step": step,

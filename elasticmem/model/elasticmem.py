@@ -86,7 +86,8 @@ class Trajectories:
     entropy_budget: torch.Tensor
     """[N, Z] entropy of each budget distribution (0 at missing slots)."""
     logp_answer: torch.Tensor
-    """[N, T] log-probs of answer tokens at the answer temperature (0 where answer_mask is False)."""
+    """[N, T] log-probs of answer tokens at the answer temperature (0 where answer_mask is False, and
+    everywhere in greedy rollouts: evaluation does not use them, so they are not computed)."""
     query_state: torch.Tensor
     """[N, d_h] the retrieval query state h (detached)."""
     answer_temperature: float
@@ -461,31 +462,50 @@ class ElasticMem(nn.Module):
         return torch.isin(ids, torch.tensor(self.eos_ids, dtype=ids.dtype))
 
     def generation_config(self, temperature: float, greedy: bool):
-        """Sampling from softmax(logits / temperature) and nothing else.
+        """Sampling from softmax(logits / temperature) and nothing else (argmax when ``greedy``).
 
-        Every logits processor is set to neutral explicitly: transformers fills unset
-        values with its defaults (top_k=50) and checkpoints bring their own (Qwen2.5:
-        top_k 20, top_p 0.8, repetition_penalty 1.05), which would make the recorded
-        log-probs differ from the distribution actually sampled from.
+        Every knob of transformers' ``generate`` that changes which token is drawn, or with
+        what probability, is set to its off value (``DECODING_OFF``). Unset (None) fields would
+        not stay unset: ``generate`` fills them from ``model.generation_config`` (a checkpoint's
+        own: Qwen2.5 top_k 20, top_p 0.8, repetition_penalty 1.05; others suppress_tokens,
+        bad_words_ids, ...) and then from transformers' defaults (top_k 50); ``_generate`` runs
+        with a blank model config (``_blank_model_generation_config``) so the off values that
+        are None stay None. The recorded log-probs are then of the distribution sampled from.
         """
         from transformers import GenerationConfig
 
+        off = dict(DECODING_OFF)
+        if greedy:  # warpers are only built when sampling; top_k=0 would draw a warning about that
+            off["top_k"] = None
         return GenerationConfig(
-            max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
-            temperature=1.0 if greedy else temperature, top_k=None if greedy else 0, top_p=1.0, min_p=None,
-            typical_p=1.0,
-            repetition_penalty=1.0, no_repeat_ngram_size=0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+            **off, max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
+            temperature=1.0 if greedy else temperature,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
-            return_dict_in_generate=True, output_logits=True,
+            return_dict_in_generate=False,
         )
 
     def _generate(self, batch_in, temperature: float, greedy: bool):
-        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature."""
-        out = self.lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
-                               generation_config=self.generation_config(temperature, greedy))
-        ids = out.sequences[:, -len(out.logits):]
-        logits = torch.stack(out.logits, 1).float() / (1.0 if greedy else temperature)  # [N, T, V]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1).cpu()
+        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature.
+
+        Greedy rollouts (evaluation) do no log-prob work: their ``logp_answer`` is 0, nothing
+        reads it. Sampled rollouts gather the drawn token's log-prob step by step
+        (``_answer_logp_hooks``), so at most one step's [N, V] log-softmax is alive, instead of
+        ``output_logits``' T steps of [N, V] float32 plus a stacked copy and a log-softmax of it
+        (0.6 GB each at N=64, T=16, V=152k). ``benchmarks/rollout_memory.py`` measures it.
+        """
+        hooks = {}
+        if not greedy:
+            record, gather, steps = _answer_logp_hooks(temperature)
+            hooks = dict(logits_processor=[record], stopping_criteria=[gather])
+        with _blank_model_generation_config(self.base):
+            # With inputs_embeds and no input_ids, a decoder-only generate returns the new tokens only.
+            ids = self.lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+                                   generation_config=self.generation_config(temperature, greedy), **hooks)
+        T = ids.shape[1]
+        if greedy:
+            logp = torch.zeros(ids.shape)
+        else:  # generate may run a step it then undoes (deferred stop check on mps): keep T
+            logp = torch.stack(steps[:T], 1).cpu()
         ids = ids.cpu()
         eos = self._is_eos(ids)
         after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
@@ -592,3 +612,75 @@ class ElasticMem(nn.Module):
         self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
         self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
 
+
+# Every GenerationConfig field that transformers 5's generate reads to pick the next token, at
+# its off value. Enumerated from GenerationMixin._get_logits_processor (processors and, when
+# sampling, warpers), GenerationConfig.get_generation_mode (beam / contrastive / DoLa / assisted
+# decoding instead of plain sampling or greedy) and GenerationMixin._get_stopping_criteria
+# (stops other than EOS and max_new_tokens); tests/unit/test_elasticmem.py reads those sources
+# and fails if the installed transformers reads a field missing here.
+DECODING_OFF: dict = dict(
+    # _get_logits_processor: processors (greedy and sampling)
+    guidance_scale=None, sequence_bias=None, encoder_repetition_penalty=1.0, repetition_penalty=1.0,
+    no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, bad_words_ids=None,
+    min_new_tokens=0, min_length=None,  # generate sets min_length from min_new_tokens (and warns if both are set)
+    forced_bos_token_id=None, forced_eos_token_id=None, remove_invalid_values=False,
+    exponential_decay_length_penalty=None, suppress_tokens=None, begin_suppress_tokens=None,
+    # _get_logits_processor: warpers (sampling only; temperature is set by generation_config)
+    top_h=None, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+    watermarking_config=None, renormalize_logits=False,
+    # get_generation_mode: plain sampling / greedy search, one sequence per input
+    num_beams=1, num_beam_groups=1, num_return_sequences=1, diversity_penalty=0.0, length_penalty=1.0,
+    early_stopping=False, constraints=None, force_words_ids=None, penalty_alpha=None, dola_layers=None,
+    use_mtp=False, prompt_lookup_num_tokens=None, assistant_early_exit=None,
+    # _get_stopping_criteria: EOS and max_new_tokens only
+    max_length=None, max_time=None, stop_strings=None, token_healing=False,
+)
+
+
+@contextlib.contextmanager
+def _blank_model_generation_config(model: nn.Module):
+    """Run ``generate`` with a blank ``model.generation_config``.
+
+    transformers 5 (``GenerationMixin._prepare_generation_config``) fills every field that is
+    None in the config passed to ``generate`` from ``model.generation_config``, and several
+    processors are off only as None (suppress_tokens, bad_words_ids, forced_bos_token_id, min_p,
+    watermarking_config, ...): without this a checkpoint's values would leak into sampling.
+    """
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def _answer_logp_hooks(temperature: float):
+    """A logits processor and a stopping criterion that record log softmax(logits / T)[token].
+
+    transformers' sampling loop calls, per step: the logits processors on the step's float32
+    logits [N, V], the token draw, then the stopping criteria with ``input_ids`` ending in the
+    drawn token. ``record`` keeps the step's log-softmax; ``gather`` takes the drawn token's
+    entry and drops it. Returns (record, gather, steps): ``steps`` fills with one [N] tensor per
+    step. transformers puts user processors after its own processors (all off here, see
+    ``generation_config``) and before its warpers (only the temperature is on): ``record`` sees
+    the raw logits, and the token is drawn from softmax(logits / T), the recorded distribution.
+    """
+    from transformers import LogitsProcessor, StoppingCriteria
+
+    steps: list[torch.Tensor] = []
+    current: list[torch.Tensor] = []
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            current[:] = [torch.log_softmax(scores.float() / temperature, -1)]
+            return scores
+
+    class Gather(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            steps.append(current.pop().gather(1, input_ids[:, -1:]).squeeze(1))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Record(), Gather(), steps

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import sys
 import textwrap
 import types
@@ -63,6 +64,9 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; allow int -> float only."""
     origin = get_origin(tp)
@@ -105,6 +109,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         return float(value)

@@ -87,6 +87,7 @@ def test_two_process_build_equals_one_process(tmp_path, tiny_data):
     assert build["num_processes"] == 2
     assert set(build["shard_writers"]) == {0, 1}, "both processes must have encoded shards"
     assert one.manifest["groups"] == two.manifest["groups"]
+    assert one.groups_sha256 == two.groups_sha256 and set(one.groups_sha256) == set(one.groups)
     assert [c["text"] for c in one.chunks()] == [c["text"] for c in two.chunks()]
     assert torch.allclose(one.keys(), two.keys(), atol=1e-5)
     c1, l1 = one.gather(torch.arange(one.num_chunks))

@@ -36,10 +36,16 @@ def _launcher(tmp_path: Path, stage: int) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_step_equals_single_process_and_resumes(tiny_setup, tmp_path, stage):  # noqa: F811
-    """Same recorded rollouts: ZeRO-{2,3} on 2 processes x batch 4 == 1 plain process x batch 8;
-    a ZeRO run stopped and resumed equals one that ran straight through."""
+    """Same recorded rollouts: ZeRO-{2,3} on 2 processes x batch 4 == 1 plain process x batch 8
+    (weights, loss, gradient norm and every metric); a ZeRO run stopped and resumed equals one
+    that ran straight through.
+
+    Two memories per query, so that every weight of the budget policy's attention has a real
+    gradient: with one, its query and key gradients are zero in exact arithmetic and each path
+    leaves different float noise there, which Adam's first step turns into +-lr (see
+    ``_params(defined_only=True)`` for the one weight that never has a gradient)."""
     common = ("train.group_size=4", "train.micro_batch_size=6", "train.warmup_steps=0", "train.eval_split=val",
-              "train.save_every=1", "train.eval_batch_size=16")
+              "train.save_every=1", "train.eval_batch_size=16", "memory.top_z=2")
     _train_cli(tiny_setup, tmp_path / "one", "train.max_steps=2", *common, "train.batch_size=8",
                f"train.record_rollouts={tmp_path}/rec")
     env = _env(TORCH_EXTENSIONS_DIR=str(EXT_CACHE))
@@ -49,9 +55,11 @@ def test_zero_step_equals_single_process_and_resumes(tiny_setup, tmp_path, stage
     (m1, _), (m2,) = [r for r in _metrics(tmp_path / "one") if "eval" not in r], \
         [r for r in _metrics(tmp_path / "ds1") if "eval" not in r]
     assert m2["step"] == 1 and m2["processes"] == 2 and m2["distributed_type"] == "DEEPSPEED"
-    assert m2["reward/mean"] == pytest.approx(m1["reward/mean"])
-    one = _params(tmp_path / "one" / "checkpoints" / "step_000001")
-    ds = _params(tmp_path / "ds1" / "checkpoints" / "step_000001")
+    for key, value in m1.items():
+        if not key.startswith(("time/", "processes", "distributed_type")):
+            assert m2[key] == (pytest.approx(value, rel=1e-5, abs=1e-7) if isinstance(value, float) else value), key
+    one = _params(tmp_path / "one" / "checkpoints" / "step_000001", defined_only=True)
+    ds = _params(tmp_path / "ds1" / "checkpoints" / "step_000001", defined_only=True)
     assert set(one) == set(ds)
     for name in one:
         assert ds[name].shape == one[name].shape, name  # ZeRO-3 shards must be gathered for saving

@@ -1,14 +1,17 @@
-"""evaluate.py: every system and ablation on the tiny model, resumable, 2 processes == 1, checkpoints.
+"""evaluate.py: every system and ablation on the tiny model, resumable (never across systems,
+checkpoints or data), 2 processes == 1, checkpoints.
 
-    pytest tests/integration/test_evaluate.py
+    OMP_NUM_THREADS=1 python -m pytest -q tests/integration/test_evaluate.py
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
@@ -22,11 +25,11 @@ VARIANTS = ("{elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eva
             "control: [memory.retrieval=control]}")
 
 
-def _evaluate(root: Path, out: Path, *overrides: str, launcher=(sys.executable,), env=None):
+def _evaluate(root: Path, out: Path, *overrides: str, launcher=(sys.executable,), env=None, code=0):
     args = [*launcher, "evaluate.py", "--config", "configs/tiny.yaml", f"data.dir={root}/data",
             f"bank.dir={root}/bank", f"eval.output_dir={out}", *overrides]
     p = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+    assert p.returncode == code, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
     return p
 
 
@@ -127,6 +130,9 @@ def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup,
                 raise Crash
             return system.predict(batch)
 
+        def identity(self):
+            return system.identity()
+
     with pytest.raises(Crash):
         evaluate(Crashing(), examples, tmp_path, batch_size=4, progress=False)
     part = tmp_path / PART.format(rank=0)
@@ -145,6 +151,95 @@ def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup,
     assert res["accuracy"] == straight["accuracy"]
     assert [r["prediction"] for r in _records(tmp_path / "predictions.jsonl")] == \
         [r["prediction"] for r in _records(tmp_path / "straight" / "predictions.jsonl")]
+
+
+def _evaluate_here(root: Path, out: Path, capsys, *overrides: str, code=0) -> str:
+    """evaluate.py's main() in this process (no start-up cost); its stderr."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_cli", ROOT / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    capsys.readouterr()
+    got = cli.main(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={root}/data", f"bank.dir={root}/bank",
+                    f"eval.output_dir={out}", *overrides])
+    err = capsys.readouterr().err
+    assert got == code, f"exit {got}\n{err[-4000:]}"
+    return err
+
+
+def test_another_system_in_the_same_folder_is_refused_until_overwrite(tiny_setup, tmp_path, capsys):  # noqa: F811
+    """no_memory then text_rag into one folder: refused, naming both, with the folder left as it was;
+    eval.overwrite=true gives real text-RAG results."""
+    out = tmp_path / "ev"
+    _evaluate_here(tiny_setup, out, capsys, "system=no_memory", "eval.limit=4")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    err = _evaluate_here(tiny_setup, out, capsys, "system=text_rag", "eval.limit=6", code=2)
+    assert "'no_memory'" in err and "'text_rag'" in err and "eval.overwrite=true" in err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    _evaluate_here(tiny_setup, out, capsys, "system=text_rag", "eval.limit=6", "eval.overwrite=true")
+    res = json.loads((out / "results.json").read_text())
+    assert res["system"] == "text_rag" and res["num_examples"] == 6 and res["avg_memory_tokens"] > 0
+    assert all(r["retrieved"] and r["tokens"]["memory"] > 0 for r in _records(out / "predictions.jsonl"))
+
+
+def test_a_bank_of_other_data_is_refused_before_answering(tiny_setup, tmp_path, capsys):  # noqa: F811
+    """A history edited after the bank was built: evaluate.py exits 2 naming the group, answers nothing."""
+    data, out = tmp_path / "data", tmp_path / "ev"
+    shutil.copytree(tiny_setup / "data", data)
+    lines = (data / "test.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["history"][0][0]["content"] += " and more"
+    (data / "test.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    err = _evaluate_here(tmp_path, out, capsys, f"bank.dir={tiny_setup}/bank", "eval.limit=4", code=2)
+    assert first["group"] in err and "test.jsonl" in err
+    assert not list(out.glob("predictions*"))
+
+
+def _quick(system, examples, out):
+    from elasticmem.eval.runner import evaluate
+
+    return evaluate(system, examples, out, batch_size=4, progress=False, case_studies=0, plots=False)
+
+
+def test_a_checkpoint_retrained_at_the_same_path_is_refused(tiny_setup, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.eval.runner import OutputDirError
+    from elasticmem.eval.systems import build_system
+
+    ckpt, out = tmp_path / "final", tmp_path / "ev"
+    overrides = [f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank"]
+    build_system(load_config(ROOT / "configs/tiny.yaml", overrides)).model.save_pretrained(ckpt)
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*overrides, f"eval.checkpoint={ckpt}"])
+    examples = load_split(cfg.data.dir, "test")[:4]
+    first = _quick(build_system(cfg), examples, out)
+    assert _quick(build_system(cfg), examples, out) == {**first, "written_at": ANY}  # loaded again: resumed
+    weights = load_file(ckpt / "projector.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, ckpt / "projector.safetensors")
+    with pytest.raises(OutputDirError, match="checkpoint"):
+        _quick(build_system(cfg), examples, out)
+
+
+def test_a_changed_data_file_is_refused(tiny_setup, tmp_path):  # noqa: F811
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.eval.runner import OutputDirError
+    from elasticmem.eval.systems import build_system
+
+    data, out = tmp_path / "data", tmp_path / "ev"
+    shutil.copytree(tiny_setup / "data", data)
+    system = build_system(load_config(ROOT / "configs/tiny.yaml", [f"data.dir={data}", f"bank.dir={tiny_setup}/bank",
+                                                                   "eval.system=no_memory"]))
+    _quick(system, load_split(data, "test")[:4], out)
+    lines = (data / "test.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["question"] += " Think twice."
+    (data / "test.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    with pytest.raises(OutputDirError, match=f"data differ.*{first['id']}"):
+        _quick(system, load_split(data, "test")[:6], out)
 
 
 def test_two_processes_give_the_predictions_of_one(variants_run, tmp_path):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -88,8 +89,13 @@ def test_manifest_contract(tmp_path, tiny_backbone):
     _, bank = _build(tmp_path, tiny_backbone)
     m = json.loads((bank.root / "manifest.json").read_text())
     for key in ("format_version", "encoder", "hidden_size", "n_cache", "cache_dtype", "num_chunks",
-                "tokenization", "shards", "groups"):
+                "tokenization", "shards", "groups", "groups_sha256"):
         assert key in m
+    # groups_sha256: per group, sha256 of its chunk texts in row order, recomputable from chunks.jsonl alone
+    texts = [json.loads(line)["text"] for line in (bank.root / "chunks.jsonl").open()]
+    assert m["groups_sha256"] == {
+        g: hashlib.sha256(json.dumps(texts[a:b], ensure_ascii=False).encode()).hexdigest()
+        for g, (a, b) in m["groups"].items()}
     assert m["encoder"]["fingerprint"] == tiny_backbone.fingerprint
     assert m["tokenization"] == dataclasses.asdict(CHUNKING)
     assert sum(s["rows"] for s in m["shards"]) == m["num_chunks"]
@@ -173,6 +179,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, tiny_backbone,
     assert res.status == "resumed" and len(encoded) == len(full.shards) - 2
     assert [s.sha256 for s in resumed.shards] == [s.sha256 for s in full.shards]  # byte-identical shards
     assert resumed.manifest["groups"] == full.manifest["groups"]
+    assert resumed.groups_sha256 == full.groups_sha256 is not None
     assert not list(root.glob("*.tmp*"))
     res, _ = _build(tmp_path, tiny_backbone, "resumed")
     assert res.status == "already built"
@@ -194,6 +201,19 @@ def test_refuses_other_encoder_and_other_bank(tmp_path, tiny_backbone):
         _build(tmp_path, other)
     res, rebuilt = _build(tmp_path, other, overwrite=True)
     assert res.status == "built" and rebuilt.fingerprint == other.fingerprint
+
+
+def test_rerun_records_fingerprints_in_an_older_bank(tmp_path, tiny_backbone, monkeypatch):
+    """A bank built before manifests had groups_sha256: building it again records them, encoding nothing."""
+    _, bank = _build(tmp_path, tiny_backbone)
+    manifest = json.loads((bank.root / "manifest.json").read_text())
+    expected = manifest.pop("groups_sha256")
+    (bank.root / "manifest.json").write_text(json.dumps(manifest))
+    assert Bank.open(bank.root).groups_sha256 is None
+    monkeypatch.setattr(builder_mod, "encode_shard", lambda *a, **k: pytest.fail("nothing to encode"))
+    res, again = _build(tmp_path, tiny_backbone)
+    assert res.status == "already built" and again.groups_sha256 == expected
+    assert [s.sha256 for s in again.shards] == [s.sha256 for s in bank.shards]
 
 
 def test_truncated_and_corrupted_shards_refused(tmp_path, tiny_backbone):

@@ -132,3 +132,11 @@ def test_config_does_not_import_the_training_layers():
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("text,value", [("1e-3", 1e-3), ("2E-5", 2e-5), ("3", 3.0), ("-1.5e+2", -150.0)])
+def test_float_keys_take_exponent_notation(text, value):
+    """YAML 1.1 reads `1e-3` (no dot) as a string; `train.lr=1e-3` must still be the number."""
+    assert load_config(None, [f"train.lr={text}"]).train.lr == value
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_config(None, ["train.lr=fast"])

@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from elasticmem.backbone import load_backbone
+from elasticmem.backbone import Backbone, load_backbone
 from elasticmem.bank import Bank, BankError, build_bank
 from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig, TinyModelConfig
 from elasticmem.data.synthetic import SyntheticConfig, generate
@@ -247,14 +250,188 @@ def test_chat_template_prompt(bank):
     _close(model.score(traj).logp_answer, traj.logp_answer)
 
 
-def test_sampling_distribution_is_temperature_only(bank):
-    """The generation config applies no hidden top-k/top-p: processed scores == raw logits / T."""
+# ---------------------------------------------------------------- sampling distribution
+
+# Fields transformers reads while generating that are not knobs on the next-token distribution:
+# set by ElasticMem.generation_config itself (do_sample, temperature) or plumbing.
+NOT_DECODING_KNOBS = {"do_sample", "temperature", "use_cache", "is_assistant", "assistant_confidence_threshold"}
+
+
+def decoding_fields() -> set[str]:
+    """GenerationConfig fields that the installed transformers reads to build logits processors
+    and warpers, choose the decoding method, or stop early, read from its source."""
+    import inspect
+    import re
+
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    read = set()
+    for fn, pattern in [(GenerationMixin._get_logits_processor, r"generation_config\.(\w+)"),
+                        (GenerationMixin._get_stopping_criteria, r"generation_config\.(\w+)"),
+                        (GenerationConfig.get_generation_mode, r"self\.(\w+)")]:
+        read |= set(re.findall(pattern, inspect.getsource(fn)))
+    return (read & set(GenerationConfig().to_dict())) - NOT_DECODING_KNOBS
+
+
+def test_generation_config_turns_off_every_decoding_knob():
+    from elasticmem.model.elasticmem import DECODING_OFF
+
+    fields = decoding_fields()
+    assert {"suppress_tokens", "bad_words_ids", "top_k", "min_p", "num_beams", "stop_strings"} <= fields
+    assert not fields - DECODING_OFF.keys(), "transformers reads fields ElasticMem does not turn off"
+
+
+def checkpoint_generation_settings(model, ex, top: list[int], group: str) -> dict:
+    """Non-neutral values, as a checkpoint's generation_config.json could carry them, for every field
+    in ``decoding_fields()``, aimed at the likeliest first answer tokens ``top`` and the gold letter."""
+    from transformers import WatermarkingConfig
+
+    gold = model.tokenizer.convert_tokens_to_ids(chr(ord("a") + ex.answer_index))
+    n = model.cfg.max_new_tokens
+    processors = dict(  # GenerationMixin._get_logits_processor
+        suppress_tokens=[top[0], gold], begin_suppress_tokens=[top[1]], bad_words_ids=[[top[2]]],
+        sequence_bias={(top[5],): 8.0}, forced_bos_token_id=top[3], forced_eos_token_id=model.eos_ids[0],
+        min_new_tokens=n, min_length=n + 20, exponential_decay_length_penalty=(0, 1.5),
+        repetition_penalty=2.0, encoder_repetition_penalty=2.0, no_repeat_ngram_size=1,
+        encoder_no_repeat_ngram_size=1, guidance_scale=3.0, remove_invalid_values=True, renormalize_logits=True,
+        temperature=0.2, top_k=1, top_p=0.3, min_p=0.5, typical_p=0.3, epsilon_cutoff=0.2, eta_cutoff=0.2,
+        top_h=0.3, watermarking_config=WatermarkingConfig(bias=10.0),
+    )
+    decoding = dict(  # GenerationConfig.get_generation_mode, GenerationMixin._get_stopping_criteria
+        num_beams=2, num_beam_groups=2, diversity_penalty=1.0, num_return_sequences=2, length_penalty=3.0,
+        early_stopping=True, penalty_alpha=0.6, dola_layers="high", constraints=[], force_words_ids=[[top[0]]],
+        use_mtp=True, prompt_lookup_num_tokens=2, assistant_early_exit=1, max_length=2, max_time=0.0,
+        stop_strings=["a"], token_healing=True,
+    )
+    assert decoding_fields() <= processors.keys() | decoding.keys()
+    return processors if group == "processors" else decoding
+
+
+def first_answer_logits(model, traj) -> torch.Tensor:
+    """[V] next-token logits before the first answer token of trajectory 0, from a plain forward."""
+    soft, _ = model._soft_tokens(traj.rows[:1], traj.budgets[:1])
+    layout = Layout(traj.prompt_ids[0], None, soft[0], traj.suffix_ids[0], [])
+    x = assemble(model.base.get_input_embeddings(), [layout], model.sep_ids)
+    with torch.no_grad():
+        H, _ = model._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
+                                     position_ids=x.position_ids, use_cache=False)
+        return model._logits(H[0, x.answer_start[0] - 1])
+
+
+@pytest.mark.parametrize("group", ["processors", "decoding"])
+def test_sampling_distribution_is_temperature_only(bank, group):
+    """Answers are drawn from softmax(logits / T), argmax when greedy, whatever the checkpoint's
+    generation_config says; the recorded log-probs are of that distribution."""
     bank, examples = bank
-    model = make_model(bank)
+    tau = 0.7
+    # No control token and fixed budgets: the G trajectories of a query share one input.
+    model = make_model(bank, retrieval="query_only", policy={"variant": "uniform", "uniform_budget": 3})
+    with torch.no_grad():  # sharper next-token distributions, so a frequency test has power
+        model.base.model.norm.weight.mul_(6.0)
+    ex = examples[0]
+    clean_greedy = model.greedy([ex])
     torch.manual_seed(0)
-    ids = torch.tensor([model.encode_texts(examples[0])[0]])
-    cfg = model.generation_config(0.7, greedy=False)
-    cfg.output_scores = True
-    out = model.lm.generate(input_ids=ids, generation_config=cfg)
-    for raw, processed in zip(out.logits, out.scores):
-        assert torch.allclose(raw / 0.7, processed, atol=1e-6)
+    clean = model.sample([ex], group_size=40, temperature=tau)
+    logits = first_answer_logits(model, clean)
+    p = torch.softmax(logits / tau, -1)
+    top = p.topk(6).indices.tolist()
+    assert p[top[0]] > 0.1, "test needs a peaked first-token distribution"
+
+    gen = model.base.generation_config
+    for k, v in checkpoint_generation_settings(model, ex, top, group).items():
+        setattr(gen, k, v)
+    # Greedy: argmax, and the same answer as with an empty generation config.
+    greedy = model.greedy([ex])
+    assert torch.equal(greedy.rows, clean.rows[:1]) and torch.equal(greedy.budgets, clean.budgets[:1])
+    assert int(greedy.answer_ids[0, 0]) == int(logits.argmax())
+    assert torch.equal(greedy.answer_ids, clean_greedy.answer_ids)
+    # Sampling: the same draws as with an empty generation config, log-probs == recomputed ones...
+    torch.manual_seed(0)
+    again = model.sample([ex], group_size=40, temperature=tau)
+    assert torch.equal(again.answer_ids, clean.answer_ids) and torch.equal(again.logp_answer, clean.logp_answer)
+    _close(model.score(again).logp_answer, again.logp_answer)
+    torch.manual_seed(1)
+    traj = model.sample([ex], group_size=1000, temperature=tau)
+    _close(traj.logp_answer[:, 0], torch.log(p)[traj.answer_ids[:, 0]])
+    # ...and first tokens distributed as softmax(logits / T): chi-square over the tokens expected
+    # 5+ times, the rest pooled (fixed seed: deterministic).
+    n = traj.answer_ids.shape[0]
+    counts = torch.bincount(traj.answer_ids[:, 0], minlength=p.numel()).double()
+    assert counts[top[0]] > 0, "the likeliest token was never drawn"
+    expected = n * p.double()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, f"first answer tokens are not distributed as softmax(logits / T): chi2={chi2:.1f}, " \
+                           f"{len(obs) - 1} dof, p={p_value:.2g}"
+
+
+# ---------------------------------------------------------------- rollout memory
+
+
+class VocabWideMemory(TorchDispatchMode):
+    """Peak bytes of live tensors whose last dimension is the vocabulary size V.
+
+    Follows every op's outputs: a storage counts once (views share it) from the op that makes
+    it until its last tracked Python tensor dies; the model's weights are left out (the tied
+    output embedding's transposes are [d, V]). Deterministic, unlike process RSS.
+    """
+
+    def __init__(self, vocab: int, weights: set[int]):
+        super().__init__()
+        self.vocab, self.weights = vocab, weights
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, live tensors]
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab and t.numel():
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.weights:
+                    continue
+                if key not in self.live:
+                    self.live[key] = [storage.nbytes(), 0]
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                self.live[key][1] += 1
+                weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
+            self.now -= entry[0]
+
+
+def test_rollout_memory_does_not_grow_with_answer_length(data, tmp_path):
+    """A rollout holds a few [N, V] step buffers, not [N, T, V] logits (+ a log-softmax of them)."""
+    V = 5003  # a vocabulary far larger than any other dimension of the tiny model
+    bb = tiny_backbone()
+    bb.model.resize_token_embeddings(V, mean_resizing=False)
+    bb = Backbone(bb.model, bb.tokenizer, "tiny")
+    batch = [split[0] for split in data.values()][:2]
+    build_bank({"x": batch}, bb, ChunkingConfig(max_tokens=32), BankConfig(dir=str(tmp_path), n_cache=N_CACHE),
+               torch.float32, show_progress=False)
+    model = ElasticMem(bb, memory_cfg(), Bank.open(tmp_path)).eval()
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    peak = {}
+    for greedy in (False, True):
+        for T in (2, 6):
+            model.cfg.max_new_tokens = T
+            torch.manual_seed(0)
+            with VocabWideMemory(V, weights) as mem:
+                traj = model.greedy(batch) if greedy else model.sample(batch, group_size=4)
+            N = traj.answer_ids.shape[0]
+            assert traj.answer_ids.shape[1] == T and mem.now == 0
+            peak[greedy, T] = mem.peak / (N * V * 4)  # in [N, V] float32 step buffers
+    # Before: every step's logits were kept, stacked and log-softmaxed: 3 T buffers (18 at T=6).
+    # Now: the model's logits, transformers' float32 copy, (sampling) its warped scores and
+    # probabilities, and one step's log-softmax.
+    assert peak[False, 6] <= peak[False, 2] <= 6 and peak[True, 6] <= peak[True, 2] <= 3, peak

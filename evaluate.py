@@ -83,18 +83,23 @@ def main(argv: list[str] | None = None) -> int:
                            settings={"split": cfg.eval.split, "seed": vcfg.seed}, overwrite=vcfg.eval.overwrite)
             del system
             if main_proc:
+                from elasticmem.eval import report
+
                 results[name] = res
-                print(f"evaluate.py: {name}: accuracy {res['accuracy']:.4f} on {res['num_examples']} examples, "
+                metric, acc, n, ci = report.headline(res)
+                print(f"evaluate.py: {name}: {metric} {report.format_accuracy(acc, ci, n)}, "
                       f"#Tok {res['avg_tokens']:.1f}, memory tokens {res['avg_memory_tokens']:.1f}, "
                       f"{res['latency_s_per_example']:.3f} s/example -> {out}")
         if main_proc and cfg.eval.variants:
             from elasticmem.eval import plots, report
 
-            report.write_comparison(results, out_root / "comparison.md",
-                                    title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}")
+            correct = {name: report.load_correct(out_root / name / "predictions.jsonl") for name in results}
+            path = report.write_comparison(results, out_root / "comparison.md",
+                                           title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}", correct=correct)
             plots.accuracy_vs_tokens(results, out_root / "accuracy_vs_tokens.png")
-            (out_root / "comparison.json").write_text(json.dumps(results, indent=1))
-            print(f"evaluate.py: comparison -> {out_root / 'comparison.md'}")
+            for name, entry in json.loads(path.with_suffix(".json").read_text())["paired"].items():
+                print(f"evaluate.py: {report.paired_line(name, entry)}")
+            print(f"evaluate.py: comparison -> {path} and {path.with_suffix('.json')}")
     except (ConfigError, SchemaError, BankError, FileNotFoundError, OutputDirError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2

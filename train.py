@@ -23,11 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.config import Config
 
     cfg, _ = parse_cli(Config, argv, prog="train.py", description=__doc__)
+    import os
+
     from elasticmem.bank import BankError
     from elasticmem.data.schema import SchemaError
     from elasticmem.grpo.trainer import train
-
-    import os
 
     if int(os.environ.get("RANK", "0")) == 0:
         print_config(cfg, file=sys.stderr)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         last = result["history"][-1] if result.get("history") else {}
         summary = {k: last.get(k) for k in ("step", "reward/mean", "loss", "budget/mean_B_mem") if k in last}
         if "eval" in result:
-            summary["eval"] = {k: v for k, v in result["eval"].items() if k != "per_type"}
+            summary["eval"] = {k: v for k, v in result["eval"].items() if not k.startswith("per_type")}
         if "stopped_at" in result:
             summary["stopped_at"] = result["stopped_at"]
         print(f"train.py: {cfg.train.output_dir}: {json.dumps(summary)}")

@@ -146,6 +146,19 @@ class BankConfig:
     """After building (or when the bank already exists), re-hash every shard against the manifest."""
     index: IndexConfig = field(default_factory=IndexConfig)
     """Search settings."""
+    key: Literal["last", "mean", "prompt", "layer_mean"] = "last"
+    """How a chunk's retrieval key is made (recorded in the manifest's ``key``; the content
+    cache is always the paper's). 'last' = L2-normalised last final-layer state (the paper).
+    Departures from the paper: 'mean' = mean of all final-layer states of the chunk;
+    'layer_mean' = mean over ``key_layers`` of the L2-normalised mean of that layer's states
+    (positions 1..L-1: position 0 is the attention sink); 'prompt' = last final-layer state of
+    the chunk wrapped in ``key_template`` (PromptEOL). Use with the matching
+    ``memory.retrieval`` (same name), which encodes the question the same way."""
+    key_layers: list[int] = field(default_factory=lambda: [1, 9, 28])
+    """Layers averaged by key='layer_mean', as indices of HF ``hidden_states`` (0 = input
+    embeddings, -1 = the final layer after the norm)."""
+    key_template: str = 'This sentence : "{text}" means in one word:"'
+    """The text key='prompt' encodes; {text} becomes the chunk."""
 
 
 @dataclass
@@ -166,13 +179,29 @@ class LoraConfig:
 class MemoryConfig:
     """The ElasticMem model: retrieval, budgets, projection, injection (DESIGN.md section 1 items 2-5)."""
 
-    retrieval: Literal["control", "query_only", "frozen", "semantic", "recent"] = "control"
+    retrieval: Literal["control", "query_only", "frozen", "semantic", "recent", "mean", "prompt",
+                       "layer_mean"] = "control"
     """Query state for retrieval: 'control' = reasoner state at a sampled retrieval-control token
     (the method); 'query_only' = reasoner state at the last prompt token, no control token;
     'frozen' = the same with the adapter disabled; 'semantic' = all-MiniLM-L6-v2 embedding of the
-    question against MiniLM embeddings of the chunk texts; 'recent' = no search: the group's
-    latest chunks, oldest first, as many as fit in recent_max_tokens and top_z (the
-    full-context baseline)."""
+    question against MiniLM embeddings of the chunk texts (the hybrid: MiniLM finds the
+    memories, the latent caches carry them); 'recent' = no search: the group's latest chunks,
+    oldest first, as many as fit in recent_max_tokens and top_z (the full-context baseline).
+    Departures from the paper, each the bank key variant of the same name applied to the
+    question with the adapter disabled: 'mean' (mean final-layer state of the question),
+    'layer_mean' (the bank's key_layers), 'prompt' (last state of query_template)."""
+    key: Literal["last", "mean", "prompt", "layer_mean"] | None = None
+    """Key variant (bank.key) the query states are made for; a bank with other keys is refused.
+    null = the retrieval mode's own: 'mean', 'prompt', 'layer_mean' for those modes, 'last'
+    (the paper's) for control/query_only/frozen; not checked for semantic/recent."""
+    query_template: str = 'This question : "{question}" means in one word:"'
+    """The text retrieval='prompt' encodes; {question} becomes the question."""
+    retrieval_map: str | None = None
+    """Departure from the paper (null = none, the paper): a learned query/key map (safetensors,
+    ``python -m elasticmem.warmup.retrieval_map``) applied to query states and bank keys before
+    the cosine top-Z; the bank is not re-encoded. It must have been trained for this retrieval
+    mode, key variant and encoder (else refused). The budget policy still reads the unmapped
+    h and keys; the scores s_j are the mapped cosines."""
     injection: Literal["latent", "text"] = "latent"
     """How retrieved memories enter the reasoner: 'latent' = b_j projected cached states per
     memory (the method); 'text' = the chunk's tokens as plain text, no budget policy (the
@@ -247,6 +276,15 @@ class LossConfig:
     skip_uniform_groups: bool = False
     """Leave out groups whose G rewards are all equal (zero advantage, no signal) from the loss
     and from its normalisation."""
+    retrieval_weight: float = 0.0
+    """Departure from the paper (0 = off, the paper): weight of an auxiliary retrieval loss on
+    the query state h where examples carry evidence (``extra.evidence``): the cross-entropy of
+    the evidence chunks under softmax(cos(h, k_i) / retrieval_temperature) over the keys of the
+    example's group, averaged over trajectories with evidence. Hard top-Z retrieval passes no
+    gradient to h, and the answer loss alone moves h away from the keys as the adapter trains;
+    this term trains the adapter to retrieve. Needs memory.retrieval control or query_only."""
+    retrieval_temperature: float = 0.05
+    """Temperature of the auxiliary retrieval loss's softmax over cosine scores."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -262,7 +300,8 @@ class LossConfig:
         _require(0 <= self.clip_eps < 1, f"clip_eps must be in [0, 1) so that 1 - clip_eps > 0, got {self.clip_eps}")
         _require(self.clip_eps_high is None or self.clip_eps_high >= 0,
                  f"clip_eps_high must be >= 0 or null, got {self.clip_eps_high}")
-        for name in ("control_weight", "budget_weight", "answer_weight", "entropy_coef", "kl_beta"):
+        _require(self.retrieval_temperature > 0, f"retrieval_temperature must be > 0, got {self.retrieval_temperature}")
+        for name in ("control_weight", "budget_weight", "answer_weight", "entropy_coef", "kl_beta", "retrieval_weight"):
             value = getattr(self, name)
             _require(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
 
@@ -313,6 +352,13 @@ class TrainConfig:
     """Gradient clipping by global norm (0 = off)."""
     reward: str = "mc_letter"
     """Reward function: 'mc_letter' (option letter match) or 'snapped_action' (ALFWorld)."""
+    memory_token_cost: float = 0.0
+    """Departure from the paper (0 = off, the paper, whose reward has no token-cost term): the
+    reward GRPO optimises is the task reward minus this much per injected soft token (B_mem)
+    when the task reward is positive, so memories that do not help a right answer cost reward
+    and the policy learns to drop them (wrong answers pay nothing: early in training, when
+    nothing is right yet, memory is not made to look worse than none).
+    Logged rewards and accuracy stay the task's; 'reward/shaped' is what was optimised."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Advantages and the clipped objective."""
     use_memory: bool = True

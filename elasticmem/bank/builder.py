@@ -4,6 +4,17 @@ For chunk i with final-layer states ``H_i`` [L_i, d] (``hidden_states[-1]``):
 ``key_i = H_i[L_i-1] / ||H_i[L_i-1]||`` and ``cache_i = H_i[max(0, L_i-N_c):]``,
 stored right-aligned in an [N_c, d] slot with ``cache_len_i = min(L_i, N_c)``.
 
+Key variants (``bank.key``; departures from the paper, whose key is ``last``; the content
+cache is always the paper's, from the plain chunk encoding): ``mean`` = mean of all
+final-layer states; ``layer_mean`` = mean over the configured layers (``hidden_states[l]``,
+0 = the input embeddings) of the L2-normalised mean of that layer's states at positions
+1..L-1 (position 0, the attention sink, carries no chunk content and, from the middle
+layers on, a state ~100x larger than the others); ``prompt`` = last final-layer state of the
+chunk wrapped in ``bank.key_template`` (PromptEOL). ``key_spec`` gives the manifest's
+``key`` record; ``pool_key`` / ``key_states`` compute a key from states / token ids, and the
+model computes matching query states with the same functions (``memory.retrieval`` = the
+variant's name).
+
 Rows are split into fixed shards. Each shard is encoded in length-sorted,
 right-padded batches (right padding leaves every real position's state as in
 an unpadded forward pass, so results do not depend on batch size), written to
@@ -47,8 +58,106 @@ BUILD_DIR = ".build"
 # --------------------------------------------------------------------------- the math
 
 
+KEY_VARIANTS = ("last", "mean", "prompt", "layer_mean")
+"""Bank key variants: 'last' is the paper's (DESIGN.md 1.1), the others are departures."""
+PAPER_KEY = {"variant": "last"}
+"""The ``key`` record of a bank built by the paper's definition (and of every bank built before
+banks recorded their key)."""
+
+
+def key_spec(bank_cfg: BankConfig) -> dict[str, Any]:
+    """The manifest's ``key`` record for ``bank_cfg``: ``{"variant"}``, plus ``layers`` for
+    ``layer_mean`` and ``template`` for ``prompt``."""
+    v = bank_cfg.key
+    if v not in KEY_VARIANTS:
+        raise ValueError(f"bank.key must be one of {KEY_VARIANTS}, got {v!r}")
+    if v == "layer_mean":
+        if not bank_cfg.key_layers:
+            raise ValueError("bank.key=layer_mean needs at least one layer in bank.key_layers")
+        return {"variant": v, "layers": [int(x) for x in bank_cfg.key_layers]}
+    if v == "prompt":
+        if "{text}" not in bank_cfg.key_template:
+            raise ValueError(f"bank.key_template must contain {{text}}, got {bank_cfg.key_template!r}")
+        return {"variant": v, "template": bank_cfg.key_template}
+    return {"variant": v}
+
+
+def _right_pad(token_ids: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, L] right-padded, attention mask [B, L], lengths [B]."""
+    lengths = torch.tensor([len(t) for t in token_ids], device=device)
+    if int(lengths.min()) < 1:
+        raise ValueError("every sequence needs at least one token")
+    L = int(lengths.max())
+    ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
+    for i, t in enumerate(token_ids):
+        ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+    mask = (torch.arange(L, device=device)[None, :] < lengths[:, None]).long()
+    return ids.to(device), mask, lengths
+
+
+def pool_key(hidden_states: Sequence[torch.Tensor], lengths: torch.Tensor, spec: dict[str, Any]) -> torch.Tensor:
+    """The key of each right-padded sequence under ``spec`` (``key_spec``), L2-normalised.
+
+    Args:
+        hidden_states: the model's ``hidden_states`` (every layer, [B, L, d] each; the last is
+            the final-layer state after the norm); for variants other than ``layer_mean`` a
+            1-tuple holding only the final layer is enough.
+        lengths: [B] valid lengths (positions >= length are padding).
+    Returns: [B, d] float32. ``last`` / ``prompt``: the state at position L-1 (for ``prompt``
+    the sequence is the wrapped chunk); ``mean``: mean of the final layer over positions 0..L-1;
+    ``layer_mean``: mean over ``spec["layers"]`` of the L2-normalised mean of that layer over
+    positions 1..L-1 (0..L-1 when L = 1).
+    """
+    H = hidden_states[-1]
+    B, L = H.shape[:2]
+    pos = torch.arange(L, device=H.device)[None, :]
+    variant = spec["variant"]
+    if variant in ("last", "prompt"):
+        out = H[torch.arange(B, device=H.device), lengths - 1].float()
+    elif variant == "mean":
+        w = (pos < lengths[:, None]).float()[:, :, None]
+        out = (H.float() * w).sum(1) / w.sum(1)
+    elif variant == "layer_mean":
+        w = ((pos < lengths[:, None]) & ((pos >= 1) | (lengths[:, None] == 1))).float()[:, :, None]
+        out = 0
+        for layer in spec["layers"]:
+            m = (hidden_states[layer].float() * w).sum(1) / w.sum(1)
+            out = out + torch.nn.functional.normalize(m, dim=-1)
+        out = out / len(spec["layers"])
+    else:
+        raise ValueError(f"unknown key variant {variant!r} (one of {KEY_VARIANTS})")
+    return torch.nn.functional.normalize(out, dim=-1)
+
+
+def key_states(decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], spec: dict[str, Any],
+               pad_id: int) -> torch.Tensor:
+    """Keys [B, d] (float32, L2-normalised) of B token sequences encoded alone (right padding,
+    so no result depends on the batch): ``pool_key`` of the decoder's states. For ``prompt``
+    the sequences must already be wrapped (``prompt_key_ids``)."""
+    device = next(decoder.parameters()).device
+    ids, mask, lengths = _right_pad(token_ids, pad_id, device)
+    every = spec["variant"] == "layer_mean"
+    out = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=every)
+    return pool_key(out.hidden_states if every else (out.last_hidden_state,), lengths, spec)
+
+
+def prompt_key_ids(tokenizer, texts: Sequence[str], token_ids: Sequence[Sequence[int]], template: str,
+                   max_tokens: int, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each chunk wrapped in ``template`` (its ``{text}`` replaced by the chunk): the
+    chunk's text, or, when its tokens reached the cap ``max_tokens`` (it may have been cut), the
+    decoded capped tokens, so the wrapped text holds what the bank holds and the template's end
+    is never cut off."""
+    out = []
+    for text, ids in zip(texts, token_ids):
+        if len(ids) >= max_tokens:
+            text = tokenizer.decode(list(ids), skip_special_tokens=True)
+        out.append(tokenizer(template.replace("{text}", text), add_special_tokens=add_special_tokens)["input_ids"])
+    return out
+
+
 def encode_batch(
-    decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], n_cache: int, pad_id: int
+    decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], n_cache: int, pad_id: int,
+    key: dict[str, Any] | None = None, key_ids: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys and content caches of a batch of chunks.
 
@@ -56,22 +165,24 @@ def encode_batch(
         decoder: the base transformer (``model.get_decoder()``) whose ``last_hidden_state``
             equals ``hidden_states[-1]`` of the causal LM (after the final norm).
         token_ids: B lists of token ids, lengths L_i >= 1.
+        key: the key variant (``key_spec``); None = the paper's ``last``.
+        key_ids: for ``prompt`` keys, the B wrapped sequences (``prompt_key_ids``).
     Returns:
         keys [B, d] float32 L2-normalised; cache [B, n_cache, d] in the model dtype,
         valid states right-aligned, zeros elsewhere; cache_len [B] int32.
     """
+    key = key or PAPER_KEY
     device = next(decoder.parameters()).device
-    lengths = torch.tensor([len(t) for t in token_ids], device=device)
-    L = int(lengths.max())
-    ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
-    for i, t in enumerate(token_ids):
-        ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-    ids = ids.to(device)
-    mask = (torch.arange(L, device=device)[None, :] < lengths[:, None]).long()
-    H = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, L, d]
-    B = H.shape[0]
-    last = H[torch.arange(B, device=device), lengths - 1].float()
-    keys = torch.nn.functional.normalize(last, dim=-1)
+    ids, mask, lengths = _right_pad(token_ids, pad_id, device)
+    every = key["variant"] == "layer_mean"
+    out = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=every)
+    H = out.last_hidden_state  # [B, L, d]
+    if key["variant"] == "prompt":
+        if key_ids is None or len(key_ids) != len(token_ids):
+            raise ValueError("prompt keys need the wrapped token ids of every chunk (key_ids)")
+        keys = key_states(decoder, key_ids, key, pad_id)
+    else:
+        keys = pool_key(out.hidden_states if every else (H,), lengths, key)
     pos = lengths[:, None] - n_cache + torch.arange(n_cache, device=device)[None, :]  # [B, n_cache]
     valid = pos >= 0
     cache = torch.gather(H, 1, pos.clamp(min=0)[:, :, None].expand(-1, -1, H.shape[-1]))
@@ -107,6 +218,8 @@ class Plan:
     plan_id: str
     groups_sha256: dict[str, str]
     """``chunks_fingerprint`` of each group's chunks (not part of ``plan_id``, which predates it)."""
+    key_ids: list[list[int]] | None = None
+    """For ``prompt`` keys: the token ids of each chunk wrapped in the key template."""
 
 
 def collect_groups(examples_by_split: dict[str, list[Example]]) -> dict[str, Example]:
@@ -170,13 +283,23 @@ def make_plan(
             "truncation_side": chunking.truncation_side,
         },
     }
+    key = key_spec(bank_cfg)
+    # The paper's key leaves the plan hash as it was before banks recorded their key, so a bank
+    # built then is recognised as finished ("already built"), not as a different bank.
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    if key != PAPER_KEY:
+        h.update(json.dumps(key, sort_keys=True).encode())
+    header["key"] = key
+    key_ids = None
+    if key["variant"] == "prompt":
+        key_ids = prompt_key_ids(tokenizer, [c.text for c in chunks], token_ids, key["template"],
+                                 chunking.max_tokens, chunking.add_special_tokens)
     h.update(json.dumps(groups, sort_keys=True).encode())
     h.update(json.dumps(bounds).encode())
     for ids in token_ids:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-    return Plan(chunks, token_ids, groups, bounds, header, h.hexdigest(), groups_sha256)
+    return Plan(chunks, token_ids, groups, bounds, header, h.hexdigest(), groups_sha256, key_ids)
 
 
 # --------------------------------------------------------------------------- writing
@@ -203,8 +326,11 @@ def encode_shard(
     pad_id: int,
     cache_dtype: torch.dtype,
     progress: Callable[[int], None] | None = None,
+    key: dict[str, Any] | None = None,
+    key_ids: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``."""
+    """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``
+    (``key``, ``key_ids``: as in ``encode_batch``, for the shard's rows)."""
     n = len(token_ids)
     d = decoder.config.hidden_size
     keys = torch.empty(n, d, dtype=torch.float32)
@@ -214,7 +340,8 @@ def encode_shard(
     with torch.inference_mode():
         for a in range(0, n, batch_size):
             idx = order[a : a + batch_size]
-            k, c, cl = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id)
+            k, c, cl = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id, key,
+                                    None if key_ids is None else [key_ids[i] for i in idx])
             c = c.to(cache_dtype)
             if not torch.isfinite(c).all():
                 raise FloatingPointError(
@@ -340,6 +467,12 @@ def build_bank(
         "fingerprint": backbone.fingerprint,
         "dtype": str(next(backbone.model.parameters()).dtype).removeprefix("torch."),
     }
+    if bank_cfg.key == "layer_mean":
+        n = backbone.model.config.num_hidden_layers  # hidden_states holds n + 1 entries
+        bad = [x for x in bank_cfg.key_layers if not -(n + 1) <= int(x) <= n]
+        if bad:
+            raise ValueError(f"bank.key_layers {bad} out of range for {backbone.name_or_path} ({n} layers: "
+                             f"hidden_states indices 0..{n}, or negative from the end)")
     plan = make_plan(
         examples_by_split, backbone.tokenizer, chunking, bank_cfg, encoder,
         backbone.hidden_size, str(cache_dtype).removeprefix("torch."),
@@ -369,7 +502,8 @@ def build_bank(
         a, b = plan.shard_bounds[i]
         tensors = encode_shard(
             decoder, plan.token_ids[a:b], bank_cfg.n_cache, bank_cfg.batch_size,
-            backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update,
+            backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update, key=plan.header["key"],
+            key_ids=None if plan.key_ids is None else plan.key_ids[a:b],
         )
         _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()
@@ -409,5 +543,6 @@ def resolve_cache_dtype(spec: str, device: torch.device) -> torch.dtype:
     return getattr(torch, spec)
 
 
-__all__ = ["Bank", "BuildResult", "build_bank", "chunks_fingerprint", "encode_batch", "encode_shard",
-           "history_fingerprint", "make_plan", "resolve_cache_dtype"]
+__all__ = ["KEY_VARIANTS", "PAPER_KEY", "Bank", "BuildResult", "build_bank", "chunks_fingerprint", "encode_batch",
+           "encode_shard", "history_fingerprint", "key_spec", "key_states", "make_plan", "pool_key",
+           "prompt_key_ids", "resolve_cache_dtype"]

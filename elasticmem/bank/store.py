@@ -139,6 +139,17 @@ class Bank:
         return self.manifest["encoder"]["fingerprint"]
 
     @property
+    def key(self) -> dict[str, Any]:
+        """How the keys were made: the manifest's ``key`` record (``{"variant": "last"}`` — the
+        paper's — ``"mean"``, ``"prompt"`` with ``template``, or ``"layer_mean"`` with ``layers``;
+        see ``builder.key_spec``). A bank built before banks recorded it has the paper's keys."""
+        return dict(self.manifest.get("key") or {"variant": "last"})
+
+    @property
+    def key_variant(self) -> str:
+        return self.key["variant"]
+
+    @property
     def groups_sha256(self) -> dict[str, str] | None:
         """Per group, the fingerprint of its chunk texts; None for a bank built before banks recorded it."""
         return self.manifest.get(GROUPS_SHA256)

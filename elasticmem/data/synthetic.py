@@ -13,7 +13,17 @@ history is shared between train, val and test):
   "Which city did my sister move to?") and ``knowledge_update`` (an old
   value in an earlier session, the new one in a later session). Every
   option value is drawn from the same pool and written exactly once in the
-  history, so without memory no prior beats chance.
+  history, so without memory no prior beats chance. The assistant's replies
+  engage with what the user said, as in real dialogue (LoCoMo): a reply to a
+  fact names its value and then asks a follow-up that names its attribute
+  ("Pepper, what a cute name! What is special about this dog? Tell me more."),
+  so the chunk's last state, its bank key, carries its topic. Fact replies
+  never name the subject, so they look the same for the user's own facts and
+  for the distractors, and a reply names no value, name or relation its user
+  turn does not, so every value still lives in exactly one chunk.
+  ``assistant_replies="acknowledge"`` keeps the older replies from a short
+  fixed list ("Got it, I will keep that in mind."), which leave the key
+  encoding the acknowledgement rather than the fact.
 * ``tiny``: for a tiny random model learning by RL. One session of
   ``num_facts`` lone user turns ``"{letter} {key}"`` (chunk text
   ``"User:\\n{letter} {key}"``) and one question per turn, ``"recall {key}"``,
@@ -237,7 +247,117 @@ ACKNOWLEDGEMENTS: tuple[str, ...] = (
     "Interesting, tell me more any time.",
     "I appreciate you telling me.",
 )
-"""Assistant replies; they never repeat a value, so each value lives in exactly one chunk."""
+"""Assistant replies of ``assistant_replies="acknowledge"``; they never repeat a value,
+so each value lives in exactly one chunk."""
+
+REPLY_NOUNS: dict[str, str] = {
+    "dog": "dog", "city": "city", "field": "field", "dish": "dish", "instrument": "instrument",
+    "car": "car brand", "hobby": "hobby", "language": "language", "drink": "drink", "color": "color",
+    "country": "country", "sport": "sport",
+}
+"""The attribute a category's question asks for, as engaged replies name it."""
+
+FACT_OPENERS: dict[str, tuple[str, ...]] = {
+    "dog": ("{V}, what a cute name!", "A dog named {v}, how sweet!", "{V} sounds adorable."),
+    "city": ("{V}, how exciting!", "A move to {v}, wow!", "{V} is a lovely place."),
+    "field": ("{V}, what a change!", "A job in {v}, nice!", "{V} sounds rewarding."),
+    "dish": ("{V}, yum!", "Homemade {v}, nice!", "{V} sounds tasty."),
+    "instrument": ("The {v}, how lovely!", "Lessons on the {v}, nice!", "The {v} sounds fun."),
+    "car": ("{V}, nice!", "A new {v}, great!", "{V} makes good cars."),
+    "hobby": ("{V}, how fun!", "{V} sounds relaxing.", "Taking up {v}, nice!"),
+    "language": ("{V}, great choice!", "Learning {v}, nice!", "{V} sounds beautiful."),
+    "drink": ("{V}, yum!", "{V} every day, nice!", "{V} sounds delicious."),
+    "color": ("{V}, how bold!", "{V} walls, nice!", "{V} sounds cozy."),
+    "country": ("{V}, how exciting!", "A trip to {v}, wow!", "{V} must have been amazing."),
+    "sport": ("{V}, how fun!", "A {v} team, nice!", "{V} is a great sport."),
+}
+"""First sentence of an engaged reply to a fact, per category: it names the value
+(``{v}``, or ``{V}`` capitalised)."""
+
+REPLY_CLOSERS: tuple[str, ...] = (
+    "What is the next {noun}? Tell me more.",
+    "Which {noun} is next? Tell me more.",
+    "What will the next {noun} be? Tell me more.",
+    "What is special about this {noun}? Tell me more.",
+    "What is the story behind this {noun}? Tell me more.",
+)
+"""Second sentence of an engaged reply to a fact: a follow-up that names the attribute
+(``{noun}``, from ``REPLY_NOUNS``) near the chunk's end, where its bank key is read.
+The wording was chosen by measuring recall of evidence with SmolLM2-135M's frozen
+state (issue 12): a closing question about the attribute followed by "Tell me more."
+ranked the evidence chunk highest among the phrasings tried."""
+
+LINK_REPLIES: tuple[str, ...] = (
+    "Nice to hear about {n}. Are you close with your {r}?",
+    "{n} is a lovely name. How often do you see your {r}?",
+    "Thanks for telling me about {n}. What is your {r} like?",
+    "So your {r} is {n}. Do you two get along?",
+    "Good to know {n} is your {r}. Does {n} live nearby?",
+)
+"""Engaged replies to a multi-hop link ("My sister is called Maya."): ``{r}`` relation, ``{n}`` name."""
+
+FILLER_REPLIES: dict[str, tuple[str, ...]] = {
+    "The weather has been strange this week.": (
+        "Strange how? Has it been too warm for the season?", "I hope it settles down soon. Rain or sun?"),
+    "I finally cleaned out my garage over the weekend.": (
+        "That must feel great! Did you find anything surprising in the garage?",
+        "Well done, that is a big job. What did you do with the old stuff?"),
+    "Work was really busy today.": (
+        "Sorry to hear that. Did you get a break at all?", "Busy days are tiring. What kept you so busy?"),
+    "I watched a documentary about whales last night.": (
+        "Whales are fascinating! What was the most surprising part?",
+        "That sounds interesting. Which whales did the documentary cover?"),
+    "My internet connection keeps dropping.": (
+        "That is so annoying. Have you tried restarting the router?",
+        "Ugh, a flaky connection is the worst. Did you call your provider?"),
+    "I slept in late this morning.": (
+        "Sounds like you needed the rest! Do you feel refreshed?", "Nice, a lazy morning. Was it a day off?"),
+    "The traffic downtown was terrible today.": (
+        "Oh no, how long were you stuck in traffic?", "Traffic like that is exhausting. Was there an accident?"),
+    "I am trying to drink more water.": (
+        "Good plan! Do you use a bottle with markings to keep track?",
+        "That is a healthy habit. How many glasses a day are you aiming for?"),
+    "I found an old photo album in the attic.": (
+        "How fun! Were there any old family photos in it?", "What a find. Whose photos were in the album?"),
+    "My phone battery died in the middle of a call.": (
+        "That is frustrating. Is the phone getting old?", "Oh no! Were you able to call them back?"),
+    "I have been thinking about rearranging my furniture.": (
+        "A new layout can refresh a room. Which room would you start with?",
+        "Sounds like a fun project. Do you have a plan for the furniture yet?"),
+    "It rained all afternoon.": (
+        "A rainy afternoon is perfect for staying in. What did you do inside?",
+        "Did you get caught in the rain?"),
+    "I started a new jigsaw puzzle with a thousand pieces.": (
+        "A thousand pieces is ambitious! What is the picture on the puzzle?",
+        "Nice! Do you start with the edges of the puzzle?"),
+    "I forgot my umbrella again.": (
+        "Oh no, did you get soaked?", "That happens to everyone. Maybe keep a spare umbrella at work?"),
+    "The grocery store was out of bread.": (
+        "That is annoying. Did you find bread somewhere else?",
+        "Maybe it is a sign to try baking bread at home?"),
+    "I have an appointment next week that I keep forgetting about.": (
+        "Want to set a reminder for the appointment?", "It helps to write it down. What day is the appointment?"),
+    "I need to fix the fence in the backyard.": (
+        "Is the fence badly damaged?", "Fixing a fence is a good weekend job. Will you do it yourself?"),
+    "There was a loud party down the street last night.": (
+        "Did the noise keep you up?", "That sounds annoying. How late did the party go on?"),
+    "I need to renew my passport soon.": (
+        "Good idea to do it early. Are you planning to travel soon?",
+        "Renewals can take a while. When does your passport expire?"),
+    "I spent the evening answering emails.": (
+        "That sounds tedious. Did you clear your inbox?", "Not the most fun evening. Were the emails for work?"),
+    "I tried a new route for my morning walk.": (
+        "Nice change! What did you see on the new route?", "How long was the new walk?"),
+    "The power went out for an hour today.": (
+        "That is inconvenient. Do you know what caused the outage?",
+        "Did the power cut spoil anything in the fridge?"),
+    "I am reading a long mystery novel.": (
+        "I love a good mystery! Who do you think the culprit is?",
+        "How far into the novel are you?"),
+    "I cannot decide what to watch tonight.": (
+        "Are you in the mood for a comedy or a thriller?", "How about a classic film you have seen before?"),
+}
+"""Engaged replies to each small-talk line of ``FILLER``."""
 
 GREETINGS: tuple[tuple[str, str], ...] = (
     ("Hi, it's me again.", "Welcome back! What is on your mind?"),
@@ -291,6 +411,14 @@ class SyntheticConfig:
     """Question types of the persona variant; the facts of a history cycle through them."""
     num_keys: int = 16
     """Tiny variant: size of the key vocabulary (at most the number of built-in keys, 24)."""
+    assistant_replies: Literal["engaged", "acknowledge"] = "engaged"
+    """Persona variant: how the assistant answers a user turn. 'engaged': as in real
+    dialogue (LoCoMo) it names the value and asks about the attribute ("Pepper, what a
+    cute name! What is special about this dog? Tell me more."), the person or the small
+    talk, in varied templates, so a chunk's bank key (its last state) carries its topic.
+    'acknowledge': a reply from a short fixed list ("Got it, I will keep that in
+    mind."), the style before issue 12, whose keys encode the acknowledgement. The
+    user turns, their order, the dates and the questions are the same in both styles."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -299,6 +427,8 @@ class SyntheticConfig:
         """Raise ValueError naming the first setting that cannot work."""
         _require(self.variant in ("persona", "tiny"),
                  f"variant must be 'persona' or 'tiny', got {self.variant!r}")
+        _require(self.assistant_replies in ("engaged", "acknowledge"),
+                 f"assistant_replies must be 'engaged' or 'acknowledge', got {self.assistant_replies!r}")
         _require(self.num_options in (4, 10), f"num_options must be 4 or 10, got {self.num_options!r}")
         _require(self.num_histories >= 1, f"num_histories must be >= 1, got {self.num_histories}")
         _require(len(self.split_fractions) == len(SPLITS),
@@ -370,12 +500,46 @@ class _Question:
     evidence: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class _Topic:
+    """What a user utterance is about, for the assistant's engaged reply.
+
+    kind 'fact': ``category`` and ``value``; 'link': ``relation`` and ``name``;
+    'filler': the small-talk line in ``value``.
+    """
+
+    kind: Literal["fact", "link", "filler"]
+    category: str = ""
+    value: str = ""
+    relation: str = ""
+    name: str = ""
+
+
 @dataclass
 class _Unit:
     """One or two user utterances; a pair keeps its order (strict: in a later session)."""
 
     texts: tuple[str, ...]
     strict: bool = False
+    topics: tuple[_Topic, ...] = ()
+    """One per text: what the assistant's engaged reply to it talks about."""
+
+
+def _fact(cat: Category, subject: str, value: str, template: str | None = None) -> tuple[str, _Topic]:
+    """A fact's user utterance and its topic; ``subject`` is "I", "My {relation}" or a name,
+    ``template`` defaults to the category's statement."""
+    return (template or cat.statement).format(s=subject, v=value), _Topic("fact", category=cat.name, value=value)
+
+
+def _engaged_reply(topic: _Topic, rng: random.Random) -> str:
+    """The assistant's reply to a user utterance about ``topic`` (assistant_replies='engaged')."""
+    if topic.kind == "link":
+        return rng.choice(LINK_REPLIES).format(r=topic.relation, n=topic.name)
+    if topic.kind == "filler":
+        return rng.choice(FILLER_REPLIES[topic.value])
+    fields = dict(v=topic.value, V=topic.value[:1].upper() + topic.value[1:], noun=REPLY_NOUNS[topic.category])
+    opener = rng.choice(FACT_OPENERS[topic.category]).format(**fields)
+    return f"{opener} {rng.choice(REPLY_CLOSERS).format(**fields)}"
 
 
 def _shuffled_choices(gold: str, wrong: Sequence[str], rng: random.Random) -> tuple[list[str], int]:
@@ -396,8 +560,11 @@ def _persona_fact(
     nd = cfg.num_distractors
     values = rng.sample(cat.values, nd + (2 if qtype == "knowledge_update" else 1))
     gold, others = values[0], values[1:]
+    def unit(*said: tuple[str, _Topic], strict: bool = False) -> _Unit:
+        return _Unit(tuple(t for t, _ in said), strict, tuple(topic for _, topic in said))
+
     if qtype == "multi_hop":
-        units = [_Unit((LINK_TEMPLATE.format(r=r, n=n), cat.statement.format(s=n, v=v)))
+        units = [unit((LINK_TEMPLATE.format(r=r, n=n), _Topic("link", relation=r, name=n)), _fact(cat, n, v))
                  for (r, n), v in zip(people, values)]
         question = cat.question.format(s=f"my {people[0][0]}")
         wrong = rng.sample(others, cfg.num_options - 1)
@@ -405,15 +572,15 @@ def _persona_fact(
     else:
         distractors = others[1:] if qtype == "knowledge_update" else others
         relations = rng.sample(RELATIONS, nd)
-        units = [_Unit((cat.statement.format(s=f"My {r}", v=v),)) for r, v in zip(relations, distractors)]
+        units = [unit(_fact(cat, f"My {r}", v)) for r, v in zip(relations, distractors)]
         if qtype == "knowledge_update":
             old = others[0]
-            units.insert(0, _Unit((cat.statement.format(s="I", v=old), cat.update.format(v=gold)), strict=True))
+            units.insert(0, unit(_fact(cat, "I", old), _fact(cat, "I", gold, cat.update), strict=True))
             question = cat.question_now
             wrong = [old, *rng.sample(distractors, cfg.num_options - 2)]
             evidence = [(0, 1)]
         else:
-            units.insert(0, _Unit((cat.statement.format(s="I", v=gold),)))
+            units.insert(0, unit(_fact(cat, "I", gold)))
             question = cat.question.format(s="I")
             wrong = rng.sample(distractors, cfg.num_options - 1)
             evidence = [(0, 0)]
@@ -454,8 +621,14 @@ def _session_dates(num_sessions: int, rng: random.Random) -> list[str]:
     return dates
 
 
-def _persona_history(cfg: SyntheticConfig, rng: random.Random) -> tuple[list[list[Turn]], list[_Question]]:
-    """One persona history and its questions, evidence as (session, user-turn index)."""
+def _persona_history(
+    cfg: SyntheticConfig, rng: random.Random, reply_rng: random.Random,
+) -> tuple[list[list[Turn]], list[_Question]]:
+    """One persona history and its questions, evidence as (session, user-turn index).
+
+    Engaged replies come from ``reply_rng``; ``rng`` advances exactly as it does with
+    acknowledgements, so both reply styles give the same user turns, order and dates.
+    """
     types = _fact_types(cfg.question_types, cfg.num_facts)
     categories = rng.sample(PERSONA_CATEGORIES, cfg.num_facts)
     n_people = types.count("multi_hop") * (cfg.num_distractors + 1)
@@ -468,7 +641,7 @@ def _persona_history(cfg: SyntheticConfig, rng: random.Random) -> tuple[list[lis
         q.evidence = [(len(units) + u, p) for u, p in q.evidence]
         units.extend(fact_units)
         questions.append(q)
-    units.extend(_Unit((text,)) for text in rng.sample(FILLER, cfg.num_filler))
+    units.extend(_Unit((text,), topics=(_Topic("filler", value=text),)) for text in rng.sample(FILLER, cfg.num_filler))
 
     where: dict[tuple[int, int], tuple[int, int]] = {}
     history: list[list[Turn]] = []
@@ -477,7 +650,10 @@ def _persona_history(cfg: SyntheticConfig, rng: random.Random) -> tuple[list[lis
         session = [Turn("user", greet_user, day), Turn("assistant", greet_reply, day)]
         for ui, pi in ids:
             where[(ui, pi)] = (si, len(session))
-            session += [Turn("user", units[ui].texts[pi], day), Turn("assistant", rng.choice(ACKNOWLEDGEMENTS), day)]
+            reply = rng.choice(ACKNOWLEDGEMENTS)  # drawn in both styles: rng stays in step
+            if cfg.assistant_replies == "engaged":
+                reply = _engaged_reply(units[ui].topics[pi], reply_rng)
+            session += [Turn("user", units[ui].texts[pi], day), Turn("assistant", reply, day)]
         history.append(session)
     for q in questions:
         q.evidence = [where[e] for e in q.evidence]
@@ -523,8 +699,11 @@ def _history_examples(cfg: SyntheticConfig, seed: int, h: int) -> list[Example]:
     # One rng per history (seeded by a string, which Python hashes deterministically),
     # so a history does not change when num_histories or the fractions do.
     rng = random.Random(f"elasticmem-synthetic/{cfg.variant}/{seed}/{h}")
-    build = _tiny_history if cfg.variant == "tiny" else _persona_history
-    history, questions = build(cfg, rng)
+    if cfg.variant == "tiny":
+        history, questions = _tiny_history(cfg, rng)
+    else:
+        reply_rng = random.Random(f"elasticmem-synthetic/{cfg.variant}/{seed}/{h}/replies")
+        history, questions = _persona_history(cfg, rng, reply_rng)
     group = f"synth-{cfg.variant}-{seed}-{h}"
     return [
         Example(

@@ -687,26 +687,33 @@ def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | Non
     """The ``results.json`` dict of one evaluation, from its ``predictions.jsonl`` records.
 
     Keys: ``accuracy`` (also under ``primary``, e.g. ``success_rate`` for ALFWorld),
-    ``num_examples``, ``per_type`` {question_type: accuracy}, ``per_type_counts``,
+    ``accuracy_ci95`` [lo, hi] (its 95 % Wilson interval, :func:`elasticmem.eval.stats.wilson_interval`;
+    also as ``<primary>_ci95``), ``num_examples``, ``per_type`` {question_type: accuracy},
+    ``per_type_counts`` {question_type: n}, ``per_type_ci95`` {question_type: [lo, hi]},
     ``avg_tokens`` (#Tok), ``avg_memory_tokens``, ``avg_prompt_tokens``,
     ``avg_generated_tokens``, ``latency_s_per_example``, ``latency_split_s`` {stage: s},
     ``retrieval_share``; with budgets ``avg_B_mem`` and ``budget_stats``; with free-form
     golds ``free_form`` ({overall, per_type, counts} of :func:`aggregate_by_category`, plus
     ``absent`` {metric: reason}). ``free_form=None`` decides by :func:`golds_are_free_text`.
     """
+    from elasticmem.eval.stats import accuracy_with_interval
+
     if not records:
         raise ValueError("no records to summarise")
-    acc = accuracy(records)
+    acc, n, ci = accuracy_with_interval(r["correct"] for r in records)
     out: dict[str, Any] = {}
     if system is not None:
         out["system"] = system
     out["accuracy"] = acc
+    out["accuracy_ci95"] = ci
     if primary != "accuracy":
         out[primary] = acc
-    out["num_examples"] = len(records)
-    groups = group_by_type(records)
-    out["per_type"] = {t: accuracy(rs) for t, rs in groups.items()}
-    out["per_type_counts"] = {t: len(rs) for t, rs in groups.items()}
+        out[f"{primary}_ci95"] = ci
+    out["num_examples"] = n
+    groups = {t: accuracy_with_interval(r["correct"] for r in rs) for t, rs in group_by_type(records).items()}
+    out["per_type"] = {t: g[0] for t, g in groups.items()}
+    out["per_type_counts"] = {t: g[1] for t, g in groups.items()}
+    out["per_type_ci95"] = {t: g[2] for t, g in groups.items()}
     out.update(token_stats(records))
     budgets = budget_stats(records)
     if budgets is not None:

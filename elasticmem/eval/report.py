@@ -4,26 +4,35 @@
   tokens (``#Tok``, ``B_mem``), latency split, budgets, and the free-form answer metrics in
   the layout of the A-Mem paper's Table 1 (F1 and BLEU-1 per LoCoMo category) plus all six of
   its metrics per category.
-- :func:`comparison_markdown`: several systems or variants, one row each: accuracy, per-type
-  accuracies, ``#Tok``, ``B_mem``, latency (and the A-Mem Table 1 layout when all have
-  free-form metrics).
+- :func:`comparison_markdown`: several systems or variants, one row each: accuracy, ``#Tok``,
+  ``B_mem``, latency; each system against the first on the same questions (paired: exact
+  McNemar test, accuracy difference with its 95 % interval, discordant counts, n); per-type
+  accuracies (and the A-Mem Table 1 layout when all have free-form metrics).
+  :func:`write_comparison` writes it with :func:`comparison_data` beside it as JSON.
 
-Accuracies and free-form metrics are printed in percent, as both papers do.
+Accuracies and free-form metrics are printed in percent, as both papers do; every accuracy
+with its 95 % Wilson interval and n (``61.5 % [55.2, 67.4] (n = 240)``), and a flag when
+n < 200 (:data:`elasticmem.eval.stats.HEADLINE_MIN_N`). The statistics are in
+:mod:`elasticmem.eval.stats`.
 
 Command line::
 
     python -m elasticmem.eval.report one RESULTS_JSON [--title T] [--out report.md]
     python -m elasticmem.eval.report compare RESULTS_JSON... [--names A B ...] [--out comparison.md]
+
+``compare`` pairs the systems by the ``predictions.jsonl`` beside each ``results.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticmem.eval.metrics import LATENCY_STAGES, load_results
+from elasticmem.eval import stats
+from elasticmem.eval.metrics import LATENCY_STAGES, load_records, load_results
 
 Results = Mapping[str, Any]
 
@@ -75,6 +84,46 @@ def _primary(results: Results) -> tuple[str, float]:
     if "success_rate" in results:
         return "success rate", float(results["success_rate"])
     return "accuracy", float(results["accuracy"])
+
+
+def headline(results: Results) -> tuple[str, float, int, tuple[float, float]]:
+    """``(name, value, n, (lo, hi))`` of the primary metric (accuracy or success rate); the
+    interval as stored, else (a results.json written before intervals were) the Wilson
+    interval of ``value`` on n 0/1 outcomes."""
+    name, p = _primary(results)
+    n = int(results["num_examples"])
+    ci = results.get(f"{name.replace(' ', '_')}_ci95", results.get("accuracy_ci95"))
+    return name, p, n, (float(ci[0]), float(ci[1])) if ci is not None else stats.wilson_interval(round(p * n), n)
+
+
+def per_type_intervals(results: Results) -> dict[str, tuple[float, int | None, tuple[float, float] | None]]:
+    """``{question_type: (accuracy, n, (lo, hi))}`` (n and interval None when not known)."""
+    counts, cis = results.get("per_type_counts", {}), results.get("per_type_ci95", {})
+    out: dict[str, tuple[float, int | None, tuple[float, float] | None]] = {}
+    for t, a in results.get("per_type", {}).items():
+        n, ci = counts.get(t), cis.get(t)
+        if ci is None and n is not None:  # written before intervals were
+            ci = stats.wilson_interval(round(float(a) * int(n)), int(n))
+        out[t] = (float(a), n, None if ci is None else (float(ci[0]), float(ci[1])))
+    return out
+
+
+def format_accuracy(p: float, ci: Sequence[float] | None, n: int | None = None, unit: str = " %") -> str:
+    """``61.5 % [55.2, 67.4] (n = 240)``: an accuracy in percent with its 95 % interval and n
+    (each left out when None; ``unit=""`` in table cells whose header says %)."""
+    return (f"{_pct(p, 1)}{unit}" + ("" if ci is None else f" [{_pct(ci[0], 1)}, {_pct(ci[1], 1)}]")
+            + ("" if n is None else f" (n = {n})"))
+
+
+_WILSON_NOTE = f"Intervals: {100 * stats.LEVEL:g} % Wilson score intervals, in percent."
+
+
+def _p_value(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def _points(d: float) -> str:
+    return f"{100 * d:+.1f}"
 
 
 def _free_form_categories(ff: Mapping[str, Any]) -> list[tuple[str, str]] | None:
@@ -130,10 +179,12 @@ def free_form_markdown(ff: Mapping[str, Any]) -> str:
 
 def results_markdown(results: Results, title: str | None = None) -> str:
     """``report.md`` of one evaluation (see the module docstring)."""
-    name, acc = _primary(results)
+    name, acc, n, ci = headline(results)
     title = title or f"Evaluation: {results.get('system', 'system')}"
     parts = [f"# {title}"]
-    rows = [[name, f"{_pct(acc)} %"], ["examples", str(results["num_examples"])],
+    if n < stats.HEADLINE_MIN_N:
+        parts.append(f"**{stats.TOO_FEW_FOR_HEADLINE}** (n = {n})")
+    rows = [[name, format_accuracy(acc, ci, n)], ["examples", str(n)],
             ["#Tok (tokens per example)", _num(results.get("avg_tokens"))],
             ["memory tokens per example", _num(results.get("avg_memory_tokens"))]]
     if "avg_B_mem" in results:
@@ -142,12 +193,14 @@ def results_markdown(results: Results, title: str | None = None) -> str:
              ["generated tokens per example", _num(results.get("avg_generated_tokens"))],
              ["latency per example (s)", _num(results.get("latency_s_per_example"), 4)]]
     parts.append(_table(["metric", "value"], rows))
+    parts.append(_WILSON_NOTE)
 
-    per_type, counts = results.get("per_type", {}), results.get("per_type_counts", {})
+    per_type = per_type_intervals(results)
     if per_type:
         parts.append(f"## {name.capitalize()} by question type")
-        parts.append(_table(["question type", "n", f"{name} (%)"],
-                            [[t, str(counts.get(t, "–")), _pct(a)] for t, a in per_type.items()]))
+        parts.append(_table(["question type", "n", f"{name} (%) [95 % CI]"],
+                            [[t, "–" if k is None else str(k), format_accuracy(a, c, unit="")]
+                             for t, (a, k, c) in per_type.items()]))
 
     split = results.get("latency_split_s")
     if split:
@@ -174,23 +227,127 @@ def results_markdown(results: Results, title: str | None = None) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison") -> str:
-    """One row per system or variant: accuracy, per-type accuracies, #Tok, B_mem, latency (and
-    the A-Mem Table 1 layout when every system has free-form metrics)."""
+def load_correct(path: str | Path) -> dict[str, bool]:
+    """``{id: correct}`` of a ``predictions.jsonl``; refuses an id that occurs twice."""
+    out: dict[str, bool] = {}
+    for r in load_records(path):
+        i = str(r["id"])
+        if i in out:
+            raise ValueError(f"{path}: id {i!r} occurs twice")
+        out[i] = bool(r["correct"])
+    return out
+
+
+def paired_against_first(names: Sequence[str],
+                         correct: Mapping[str, Mapping[str, bool] | None] | None) -> dict[str, dict[str, Any]]:
+    """Each system but the first against the first, on the same questions.
+
+    ``correct`` maps a system to its ``{id: correct}`` (:func:`load_correct`). Returns
+    ``{system: entry}``: ``entry`` is :meth:`elasticmem.eval.stats.PairedComparison.as_dict`
+    plus ``reference`` (the first system), or ``{"reference", "not_paired": reason}`` when a
+    system has no per-example outcomes or answered other questions than the first.
+    """
+    if not names:
+        return {}
+    ref, correct = names[0], correct or {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in names[1:]:
+        a, b = correct.get(ref), correct.get(name)
+        if a is None or b is None:
+            out[name] = {"reference": ref, "not_paired": f"no per-example outcomes of {ref if a is None else name}"}
+            continue
+        try:
+            ca, cb = stats.pair_by_id(a, b)
+        except stats.PairingError as e:
+            out[name] = {"reference": ref, "not_paired": str(e)}
+            continue
+        if not ca:
+            out[name] = {"reference": ref, "not_paired": "no questions"}
+            continue
+        out[name] = {"reference": ref, **stats.paired_comparison(ca, cb).as_dict()}
+    return out
+
+
+def paired_line(name: str, entry: Mapping[str, Any]) -> str:
+    """One line of a paired comparison, e.g. ``text_rag - elasticmem: -12.5 points [-20.1, -4.0],
+    exact McNemar p = 0.003 (only text_rag right 4, only elasticmem right 34, n = 240)``."""
+    ref = entry["reference"]
+    if "not_paired" in entry:
+        return f"{name} vs {ref}: not paired ({entry['not_paired']})"
+    lo, hi = entry["difference_ci"]
+    line = (f"{name} - {ref}: {_points(entry['difference'])} points [{_points(lo)}, {_points(hi)}], "
+            f"exact McNemar p = {_p_value(entry['p_value'])} (only {name} right {entry['only_b_correct']}, "
+            f"only {ref} right {entry['only_a_correct']}, n = {entry['n']})")
+    return line + (f"; {stats.TOO_FEW_FOR_HEADLINE}" if entry["too_few_for_headline"] else "")
+
+
+def comparison_data(results: Mapping[str, Results], correct: Mapping[str, Mapping[str, bool] | None] | None = None,
+                    title: str = "Comparison") -> dict[str, Any]:
+    """``comparison.json``: ``systems`` {name: results.json dict}, ``reference`` (the first
+    system), ``paired`` {name: :func:`paired_against_first` entry}, ``level``, ``headline_min_n``
+    and ``too_few_for_headline`` (the systems evaluated on fewer questions)."""
+    names = list(results)
+    return {"title": title, "reference": names[0] if names else None, "level": stats.LEVEL,
+            "headline_min_n": stats.HEADLINE_MIN_N,
+            "too_few_for_headline": [n for n, r in results.items() if int(r["num_examples"]) < stats.HEADLINE_MIN_N],
+            "paired": paired_against_first(names, correct), "systems": dict(results)}
+
+
+def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison",
+                        correct: Mapping[str, Mapping[str, bool] | None] | None = None,
+                        paired: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """One row per system or variant: accuracy with its 95 % interval, #Tok, B_mem, latency;
+    each system against the first on the same questions (exact McNemar test, difference with
+    its 95 % Tango interval, discordant counts, n; from ``correct``, {system: {id: correct}},
+    or ready-made ``paired`` entries of :func:`paired_against_first`); per-type accuracies; and
+    the A-Mem Table 1 layout when every system has free-form metrics."""
     if not results:
         raise ValueError("no results to compare")
-    types = sorted({t for r in results.values() for t in r.get("per_type", {})})
-    header = ["system", "n", "accuracy (%)"] + [f"{t} (%)" for t in types]
+    names = list(results)
+    paired = paired_against_first(names, correct) if paired is None else paired
+    header = ["system", "n", "accuracy (%) [95 % CI]"]
     header += ["#Tok", "B_mem", "memory tokens", "latency (s)"] + [f"{s} (s)" for s in LATENCY_STAGES]
     rows = []
     for name, r in results.items():
         split = r.get("latency_split_s", {})
-        rows.append([name, str(r["num_examples"]), _pct(_primary(r)[1])]
-                    + [_pct(r.get("per_type", {}).get(t)) for t in types]
+        _, acc, n, ci = headline(r)
+        rows.append([name, str(n), format_accuracy(acc, ci, unit="")]
                     + [_num(r.get("avg_tokens")), _num(r.get("avg_B_mem")), _num(r.get("avg_memory_tokens")),
                        _num(r.get("latency_s_per_example"), 4)]
                     + [_num(split.get(s), 4) for s in LATENCY_STAGES])
-    parts = [f"# {title}", _table(header, rows)]
+    parts = [f"# {title}"]
+    few = [n for n, r in results.items() if int(r["num_examples"]) < stats.HEADLINE_MIN_N]
+    if few:
+        parts.append(f"**{stats.TOO_FEW_FOR_HEADLINE}**: {', '.join(few)}")
+    parts += [_table(header, rows), _WILSON_NOTE]
+
+    ref = names[0]
+    parts.append(f"## Paired against {ref}")
+    parts.append(f"Each system minus {ref} on the same questions (paired by id): accuracy difference in points "
+                 f"with its {100 * stats.LEVEL:g} % Tango score interval, exact McNemar test on the discordant "
+                 f"questions (those exactly one of the two got right).")
+    prow = []
+    for name in names[1:]:
+        e = paired.get(name, {"not_paired": "not compared"})
+        if "not_paired" in e:
+            prow.append([name, "–", "–", "–", "–", "–", f"not paired: {e['not_paired']}"])
+            continue
+        lo, hi = e["difference_ci"]
+        prow.append([name, str(e["n"]), f"{_points(e['difference'])} [{_points(lo)}, {_points(hi)}]",
+                     str(e["only_b_correct"]), str(e["only_a_correct"]), _p_value(e["p_value"]),
+                     stats.TOO_FEW_FOR_HEADLINE if e["too_few_for_headline"] else ""])
+    parts.append(_table(["system", "n", f"Δ accuracy vs {ref} (points) [95 % CI]", "only system right",
+                         f"only {ref} right", "McNemar exact p", "note"], prow) if prow else "(one system only)")
+
+    types = sorted({t for r in results.values() for t in r.get("per_type", {})})
+    if types:
+        parts.append(f"## {_primary(next(iter(results.values())))[0].capitalize()} by question type (%) [95 % CI]")
+        trow = []
+        for name, r in results.items():
+            per = per_type_intervals(r)
+            trow.append([name] + ["–" if t not in per else format_accuracy(per[t][0], per[t][2], per[t][1], unit="")
+                                  for t in types])
+        parts.append(_table(["system"] + types, trow))
     if all("free_form" in r for r in results.values()):
         parts += ["## Free-form answers (A-Mem paper Table 1 layout, %)", amem_table1(results)]
     return "\n\n".join(parts) + "\n"
@@ -204,11 +361,16 @@ def write_report(results: Results, path: str | Path, title: str | None = None) -
     return path
 
 
-def write_comparison(results: Mapping[str, Results], path: str | Path, title: str = "Comparison") -> Path:
-    """Write :func:`comparison_markdown` to ``path``; returns it."""
+def write_comparison(results: Mapping[str, Results], path: str | Path, title: str = "Comparison",
+                     correct: Mapping[str, Mapping[str, bool] | None] | None = None) -> Path:
+    """Write :func:`comparison_markdown` to ``path`` (``comparison.md``) and :func:`comparison_data`
+    beside it (``comparison.json``); ``correct``: {system: {id: correct}} for the paired
+    comparisons (:func:`load_correct` of each ``predictions.jsonl``). Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(comparison_markdown(results, title), encoding="utf-8")
+    data = comparison_data(results, correct, title)
+    path.write_text(comparison_markdown(results, title, paired=data["paired"]), encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     return path
 
 
@@ -237,7 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = a.names or [str(r.get("system") or q.parent.name) for q, r in zip(paths, loaded)]
     if len(set(names)) != len(names):
         p.error(f"system names collide ({names}); pass --names")
-    print(write_comparison(dict(zip(names, loaded)), a.out, a.title))
+    correct = {n: load_correct(q.with_name("predictions.jsonl")) if q.with_name("predictions.jsonl").is_file()
+               else None for n, q in zip(names, paths)}
+    print(write_comparison(dict(zip(names, loaded)), a.out, a.title, correct))
     return 0
 
 

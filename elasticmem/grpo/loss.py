@@ -364,6 +364,39 @@ def elasticmem_loss(
     return lm_term + budget_term, metrics
 
 
+def retrieval_loss(
+    h: Tensor, keys: Tensor, candidates: Tensor, positive: Tensor, temperature: float, count: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Auxiliary retrieval loss (``LossConfig.retrieval_weight``, a departure from the paper).
+
+    ``h``: [N, d] query states (with gradients); ``keys``: [N, M, d] L2-normalised keys of each
+    trajectory's candidate chunks (its group, padded to M); ``candidates``: [N, M] bool, real
+    chunks; ``positive``: [N, M] bool, evidence chunks (a trajectory without any contributes
+    nothing); ``count``: trajectories with evidence in the whole optimizer batch (all
+    micro-batches and processes), the normaliser, so micro-batch losses add up to the batch's.
+
+    Per trajectory with evidence: ``-log sum_{i in evidence} softmax_i(cos(h, k) / temperature)``
+    over its candidates. Returns (sum of those / count, metrics): ``loss/retrieval`` (the term,
+    additive like the other ``loss/*``) and ``units/retrieval`` (trajectories with evidence here).
+    """
+    _require(h.dim() == 2 and keys.dim() == 3 and keys.shape[:1] == h.shape[:1] and keys.shape[2] == h.shape[1],
+             f"h must be [N, d] and keys [N, M, d], got {tuple(h.shape)} and {tuple(keys.shape)}")
+    _require(candidates.shape == keys.shape[:2] and positive.shape == keys.shape[:2],
+             f"candidates and positive must be [N, M] = {tuple(keys.shape[:2])}")
+    _require(temperature > 0, f"temperature must be > 0, got {temperature}")
+    has = (positive & candidates).any(-1)
+    # rows without evidence see every slot as a positive: their term is exactly 0, and no
+    # logsumexp runs over -inf only (whose backward is NaN even where the result is unused)
+    cand = candidates | ~has[:, None]
+    pos = (positive & candidates) | ~has[:, None]
+    hn = torch.nn.functional.normalize(_float(h), dim=-1)
+    logits = torch.einsum("nd,nmd->nm", hn, keys.to(hn)) / temperature
+    log_all = torch.logsumexp(logits.masked_fill(~cand, float("-inf")), dim=-1)
+    log_pos = torch.logsumexp(logits.masked_fill(~pos, float("-inf")), dim=-1)
+    term = ((log_all - log_pos) * has).sum() / max(count, 1)
+    return term, {"loss/retrieval": term.detach(), "units/retrieval": has.sum().float()}
+
+
 def token_loss(
     logp: Tensor,
     logp_old: Tensor,

@@ -45,7 +45,15 @@ import torch
 
 from elasticmem.config import Config
 from elasticmem.data.schema import Example
-from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem_loss, group_advantages, uniform_groups
+from elasticmem.grpo.loss import (
+    Normalizer,
+    PartLogProbs,
+    PartMasks,
+    elasticmem_loss,
+    group_advantages,
+    retrieval_loss,
+    uniform_groups,
+)
 from elasticmem.grpo.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import ConfigError
@@ -185,7 +193,10 @@ def threading_main() -> bool:
 
 @torch.no_grad()
 def greedy_eval(model, examples: Sequence[Example], reward_fn, batch_size: int, accelerator=None) -> dict[str, Any]:
-    """Greedy accuracy, #Tok and B_mem on ``examples`` (shared across processes, gathered once)."""
+    """Greedy accuracy, #Tok and B_mem on ``examples`` (shared across processes, gathered once).
+
+    Accuracies carry their n (``num_examples``, ``per_type_counts``) and 95 % Wilson interval
+    (``accuracy_ci95``, ``per_type_ci95``), as in evaluate.py's ``results.json``."""
     model.eval()
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = list(range(rank, len(examples), world))
@@ -207,12 +218,22 @@ def greedy_eval(model, examples: Sequence[Example], reward_fn, batch_size: int, 
     per_type: dict[str, list[float]] = {}
     for idx, r, *_ in t.tolist():
         per_type.setdefault(examples[int(idx)].question_type, []).append(r)
+    types = sorted(per_type)
+
+    def ci95(rewards: list[float]) -> list[float] | None:  # Wilson; none for graded (non-0/1) rewards
+        from elasticmem.eval.stats import accuracy_with_interval
+
+        return accuracy_with_interval(rewards)[2] if all(r in (0.0, 1.0) for r in rewards) else None
+
     return {
         "accuracy": float(t[:, 1].mean()) if len(t) else 0.0,
+        "accuracy_ci95": ci95(t[:, 1].tolist()),
         "num_examples": int(len(t)),
         "avg_tokens": float(t[:, 2].mean()) if len(t) else 0.0,
         "avg_memory_tokens": float(t[:, 3].mean()) if len(t) else 0.0,
-        "per_type": {k: sum(v) / len(v) for k, v in sorted(per_type.items())},
+        "per_type": {k: sum(per_type[k]) / len(per_type[k]) for k in types},
+        "per_type_counts": {k: len(per_type[k]) for k in types},
+        "per_type_ci95": {k: ci95(per_type[k]) for k in types},
     }
 
 
@@ -286,6 +307,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from elasticmem.bank import Bank, build_index
     from elasticmem.data.schema import load_split
     from elasticmem.data.validate import validate_examples
+    from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.model.elasticmem import ElasticMem
 
     t = cfg.train
@@ -309,6 +331,14 @@ def train(cfg: Config) -> dict[str, Any]:
         validate_examples(exs, bank, reward=t.reward, chunking=cfg.chunking, top_z=mem_cfg.top_z,
                           split_name=f"{cfg.data.dir}/{split}.jsonl")
     reward_fn = get_reward(t.reward)
+    if t.loss.retrieval_weight > 0 and mem_cfg.retrieval not in ("control", "query_only"):
+        raise ConfigError(f"train.loss.retrieval_weight > 0 trains the reasoner's query state: it needs "
+                          f"memory.retrieval control or query_only, not {mem_cfg.retrieval!r}")
+    # bank rows holding each query's evidence (datasets that record it): logged recall, auxiliary loss
+    evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 else {}
+    if t.loss.retrieval_weight > 0 and not any(evidence.values()):
+        raise ConfigError(f"train.loss.retrieval_weight > 0 needs examples with evidence; "
+                          f"{cfg.data.dir}/{t.split}.jsonl records none (extra.evidence)")
     sampler = QuerySampler(len(examples), t.batch_size, world, rank, cfg.seed)
     total = t.max_steps or max(1, math.floor(t.epochs * len(examples) / (t.batch_size * world)))
     optimizer = _optimizer(model, cfg)
@@ -382,15 +412,17 @@ def train(cfg: Config) -> dict[str, Any]:
             if t.record_rollouts:
                 _save_rollout(Path(t.record_rollouts), step, rank, traj)
             rewards = torch.tensor([reward_fn(a, batch[q]) for a, q in zip(traj.answers, traj.query_index.tolist())])
+            shaped = _token_cost(rewards, traj.memory_tokens, t.memory_token_cost)
             t1 = time.perf_counter()
             # ---- advantages and normalisers
             G = t.group_size
-            adv = group_advantages(rewards.view(-1, G), t.loss).view(-1)
-            keep = ~uniform_groups(rewards.view(-1, G)).repeat_interleave(G) if t.loss.skip_uniform_groups else None
+            adv = group_advantages(shaped.view(-1, G), t.loss).view(-1)
+            keep = ~uniform_groups(shaped.view(-1, G)).repeat_interleave(G) if t.loss.skip_uniform_groups else None
             masks = PartMasks.of(traj)
             norm = Normalizer.from_masks(masks, core.cfg.max_new_tokens, keep,
                                          with_control=core.cfg.retrieval == "control")
             norm = _reduce_normalizer(norm, acc)
+            aux = _RetrievalTargets(core.bank, traj, evidence, acc) if t.loss.retrieval_weight > 0 else None
             ref = None
             if t.loss.kl_beta > 0:
                 with full_parameters(acc, model):
@@ -424,6 +456,11 @@ def train(cfg: Config) -> dict[str, Any]:
                             ref=None if ref is None else _to(ref.select(sel), dev),
                             keep=None if keep is None else keep[sel].to(dev),
                         )
+                        if aux is not None:
+                            r_loss, r_m = retrieval_loss(o.query_state, *aux.select(ids, dev),
+                                                         t.loss.retrieval_temperature, aux.count)
+                            loss = loss + t.loss.retrieval_weight * r_loss
+                            m.update(r_m)
                         tb = time.perf_counter()
                         local_ok &= bool(torch.isfinite(loss))
                         if deepspeed:
@@ -469,7 +506,9 @@ def train(cfg: Config) -> dict[str, Any]:
             # ---- log
             if step % t.log_every == 0 or step == total:
                 row = _step_metrics(step, traj, rewards, losses.reduce(acc), acc, core, grad_norm, scheduler, state,
-                                    {"rollout": t1 - t0, "score": t_score, "backward": t_back, "total": t2 - t0})
+                                    evidence,
+                                    {"rollout": t1 - t0, "score": t_score, "backward": t_back, "total": t2 - t0},
+                                    t.memory_token_cost)
                 if main:
                     _append_jsonl(metrics_path, row)
                     _append_jsonl(out / "rollouts.jsonl", *_sample_rollouts(step, traj, batch, rewards, core, t))
@@ -598,7 +637,7 @@ class LossLog:
     processes and averaged over the inner iterations.
     """
 
-    ADDITIVE = ("loss", "loss/lm", "loss/budget", "units/lm", "units/budget")
+    ADDITIVE = ("loss", "loss/lm", "loss/budget", "loss/retrieval", "units/lm", "units/budget", "units/retrieval")
 
     def __init__(self, num_iterations: int) -> None:
         self.n = num_iterations
@@ -625,10 +664,13 @@ class LossLog:
         return {k: v if k in self.ADDITIVE else v / max(tot[self._units_key(k)], 1.0) for k, v in tot.items()}
 
 
-def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state, times) -> dict[str, Any]:
+def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state, evidence, times,
+                  token_cost: float = 0.0) -> dict[str, Any]:
     """Per-step metrics, reduced over processes (per-trajectory values are gathered)."""
     dev = acc.device
-    per_traj = torch.stack([rewards.float(), traj.memory_tokens.float(), traj.num_tokens.float()], 1).to(dev)
+    ev = _evidence_stats(traj, evidence)  # [N, 6]
+    per_traj = torch.cat([torch.stack([rewards.float(), traj.memory_tokens.float(), traj.num_tokens.float()], 1),
+                          ev], 1).to(dev)
     allv = acc.gather(per_traj).cpu() if acc.num_processes > 1 else per_traj.cpu()
     bmax = core.cfg.policy.max_budget
     hist = torch.bincount(traj.budgets[traj.mask].clamp(0, bmax), minlength=bmax + 1).to(dev)
@@ -647,12 +689,80 @@ def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state
         "budget/mean_B_mem": float(allv[:, 1].mean()),
         "budget/histogram": hist.cpu().tolist(),
         "tokens/per_trajectory": float(allv[:, 2].mean()),
+        **_evidence_metrics(allv[:, 3:], traj.rows.shape[1]),
+        **({"reward/shaped": float(_token_cost(r, allv[:, 1], token_cost).mean())} if token_cost else {}),
         "skipped_steps": state["skipped_steps"],
         "processes": acc.num_processes,
         "distributed_type": str(acc.distributed_type.value),
         **{f"time/{k}": v for k, v in times.items()},
     }
     return row
+
+
+def _token_cost(rewards: torch.Tensor, memory_tokens: torch.Tensor, cost: float) -> torch.Tensor:
+    """Rewards [N] minus ``cost`` per injected soft token where the reward is positive.
+
+    Only rewarded trajectories pay: while no answer is right yet, memory is not made to look
+    worse than none (which would teach the policy to drop everything before the reasoner has
+    learned to read); once answers are right, the same answer with fewer tokens is better.
+    """
+    if not cost:
+        return rewards
+    return rewards - cost * memory_tokens.to(rewards) * (rewards > 0)
+
+
+def _evidence_stats(traj, evidence: dict[str, set[int]]) -> torch.Tensor:
+    """Per trajectory [N, 6]: has evidence, evidence retrieved (any, in the top Z), budget given to
+    evidence memories, evidence memories retrieved, budget given to the other memories, other
+    memories retrieved."""
+    out = torch.zeros(len(traj), 6)
+    for i, ex_id in enumerate(traj.example_ids):
+        ev = evidence.get(ex_id)
+        if not ev:
+            continue
+        rows, present = traj.rows[i], traj.mask[i].bool()
+        is_ev = torch.tensor([int(r) in ev for r in rows.tolist()], dtype=torch.bool) & present
+        b = traj.budgets[i].float()
+        other = present & ~is_ev
+        out[i] = torch.tensor([1.0, float(is_ev.any()), float(b[is_ev].sum()), float(is_ev.sum()),
+                               float(b[other].sum()), float(other.sum())])
+    return out
+
+
+def _evidence_metrics(stats: torch.Tensor, z: int) -> dict[str, float]:
+    """``retrieval/recall@Z`` (any evidence chunk among the retrieved) and the mean budget of
+    evidence and other retrieved memories, over trajectories whose query has evidence."""
+    has = stats[:, 0] > 0
+    if not bool(has.any()) or z == 0:
+        return {}
+    s = stats[has]
+    return {f"retrieval/recall@{z}": float(s[:, 1].mean()),
+            "budget/evidence": float(s[:, 2].sum() / s[:, 3].sum().clamp(min=1)),
+            "budget/other": float(s[:, 4].sum() / s[:, 5].sum().clamp(min=1))}
+
+
+class _RetrievalTargets:
+    """Candidates (the query's group), their keys and evidence flags, for ``retrieval_loss``.
+
+    ``count``: trajectories with evidence in the whole optimizer batch (summed over processes)."""
+
+    def __init__(self, bank, traj, evidence: dict[str, set[int]], acc) -> None:
+        spans = [bank.group_rows(g) for g in traj.groups]
+        width = max(end - start for start, end in spans)
+        self.rows = torch.full((len(traj), width), -1, dtype=torch.long)
+        for i, (start, end) in enumerate(spans):
+            self.rows[i, : end - start] = torch.arange(start, end)
+        self.positive = torch.tensor([[int(r) in evidence.get(ex_id, ()) for r in row.tolist()]
+                                      for ex_id, row in zip(traj.example_ids, self.rows)], dtype=torch.bool)
+        self.positive = self.positive.reshape(len(traj), width)
+        self.keys = bank.gather_keys(self.rows)
+        local = torch.tensor(float(self.positive.any(-1).sum()), device=acc.device)
+        self.count = int(acc.reduce(local, reduction="sum")) if acc.num_processes > 1 else int(local)
+
+    def select(self, ids, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys [n, M, d], candidates [n, M], positive [n, M]) of trajectories ``ids`` on ``device``."""
+        i = torch.as_tensor(ids)
+        return self.keys[i].to(device), (self.rows[i] >= 0).to(device), self.positive[i].to(device)
 
 
 def _sample_rollouts(step, traj, batch, rewards, core, t) -> list[dict[str, Any]]:

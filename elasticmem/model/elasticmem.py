@@ -150,6 +150,9 @@ class ScoreOutput:
     """[N, Z]"""
     logp_answer: torch.Tensor
     """[N, T] (0 where answer_mask is False)"""
+    query_state: torch.Tensor | None = None
+    """[N, d_h] the retrieval query state h, with gradients to the adapter in the modes that
+    compute it with the reasoner (control, query_only); None in the others."""
 
 
 def format_options(choices: Sequence[str]) -> str:
@@ -169,12 +172,33 @@ class ElasticMem(nn.Module):
                 f"({bank.fingerprint[:23]}...), not by this backbone ({backbone.fingerprint[:23]}...): "
                 f"rebuild the bank with build_bank.py for this model"
             )
+        own_key = {"mean": "mean", "prompt": "prompt", "layer_mean": "layer_mean"}.get(cfg.retrieval, "last")
+        expected = cfg.key or own_key
+        if cfg.retrieval not in ("semantic", "recent") and bank.key_variant != expected:
+            raise BankError(
+                f"bank {bank.root} has '{bank.key_variant}' keys ({bank.key}) but memory.retrieval="
+                f"{cfg.retrieval}{' with memory.key=' + cfg.key if cfg.key else ''} expects '{expected}' keys: "
+                f"query states and keys would not be comparable. Build a bank with bank.key={expected} or "
+                f"choose the retrieval mode of this bank (memory.retrieval={bank.key_variant}, or memory.key)"
+            )
+        if cfg.retrieval == "layer_mean" and bank.key_variant != "layer_mean":
+            raise BankError(f"memory.retrieval=layer_mean takes its layers from a layer_mean bank; {bank.root} "
+                            f"has '{bank.key_variant}' keys")
         self.cfg = cfg
         self.tokenizer = backbone.tokenizer
         self.backbone_name = backbone.name_or_path
         self.fingerprint = backbone.fingerprint
         self.bank = bank
         self.index = index if index is not None else build_index(bank, IndexConfig(type="torch"))
+        self.mapped_index = None  # memory.retrieval_map: f_q(h) against f_k(keys), exact search
+        if cfg.retrieval_map:
+            from elasticmem.warmup.retrieval_map import MappedIndex, check_retrieval_map, load_retrieval_map
+
+            if cfg.retrieval in ("semantic", "recent"):
+                raise ValueError(f"memory.retrieval_map maps the model's own states; retrieval={cfg.retrieval} has none")
+            rmap, meta = load_retrieval_map(cfg.retrieval_map)
+            check_retrieval_map(meta, cfg.retrieval_map, cfg.retrieval, bank.key, backbone.fingerprint)
+            self.mapped_index = MappedIndex(bank, rmap)
         lora = cfg.lora
         self.lm = get_peft_model(
             backbone.model,
@@ -259,6 +283,9 @@ class ElasticMem(nn.Module):
         if mode == "recent":  # no query: the latest chunks are taken
             h = torch.zeros(B * G, self.bank.hidden_size, device=device)
             return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
+        if mode in ("mean", "prompt", "layer_mean"):  # the bank's key function on the question, adapter off
+            h = self._key_like_states(questions).repeat_interleave(G, 0)
+            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
         L = max(len(p) for p in prompts)
         ids = torch.full((B, L), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(B, L, dtype=torch.long)
@@ -287,6 +314,23 @@ class ElasticMem(nn.Module):
                                       cache=cache, use_cache=True)
         return a.reshape(-1).cpu(), logp_a.cpu(), H_a[:, -1].float()
 
+    def _key_like_states(self, questions: list[str]) -> torch.Tensor:
+        """[B, d] query states of retrieval 'mean' / 'layer_mean' (the question tokenised as the
+        bank's chunks, pooled like its keys) and 'prompt' (last state of memory.query_template)."""
+        from elasticmem.bank.builder import key_states
+        from elasticmem.data.chunking import tokenize_chunks
+
+        mode, tok = self.cfg.retrieval, self.bank.manifest["tokenization"]
+        if mode == "prompt":
+            texts = [self.cfg.query_template.replace("{question}", q) for q in questions]
+            ids = [self.tokenizer(t, add_special_tokens=tok["add_special_tokens"])["input_ids"] for t in texts]
+        else:
+            ids = tokenize_chunks(questions, self.tokenizer, tok["max_tokens"], tok["truncation_side"],
+                                  tok["add_special_tokens"])
+        spec = self.bank.key if mode == "layer_mean" else {"variant": mode}
+        with self._decoder(disable_adapter=True):
+            return key_states(self.base.get_decoder(), ids, spec, self.tokenizer.pad_token_id)
+
     # ------------------------------------------------------------------ steps 2-4
 
     def _retrieve(self, h: torch.Tensor, groups: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,6 +343,8 @@ class ElasticMem(nn.Module):
             return rows, torch.zeros(rows.shape), rows >= 0
         if self.semantic is not None:
             res = self.semantic.search(h, Z, groups)
+        elif self.mapped_index is not None:
+            res = self.mapped_index.search(h, Z, groups)
         else:
             res = self.index.search(h, Z, groups)
         mask = res.rows >= 0
@@ -392,6 +438,26 @@ class ElasticMem(nn.Module):
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
+    def retrieve(self, batch: Sequence[Example], greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-2 only (query state and top-Z search; no budgets, no generation), as in a rollout.
+
+        Returns the retrieved rows [B, Z] (rank order, -1 where the group had fewer than Z
+        chunks) and their cosine scores [B, Z] (0 there); one query state per example, from the
+        argmax control token (``greedy``) or one sampled at the control temperature.
+        """
+        *_, rows, scores, _ = self._query_and_retrieve(batch, 1, greedy)
+        return rows, scores
+
+    def _query_and_retrieve(self, batch: Sequence[Example], G: int, greedy: bool):
+        """Steps 1-2 of a rollout: prompt ids, suffix ids, groups [N], a, log pi(a), h, rows, scores, mask."""
+        texts = [self.encode_texts(ex) for ex in batch]
+        prompts, suffixes = [t[0] for t in texts], [t[1] for t in texts]
+        a, logp_a, h = self._query_states(prompts, [ex.question for ex in batch], G, greedy)
+        groups = [ex.group for ex in batch for _ in range(G)]
+        rows, scores, mask = self._retrieve(h, groups)
+        return prompts, suffixes, groups, a, logp_a, h, rows, scores, mask
+
+    @torch.no_grad()
     def sample(self, batch: Sequence[Example], group_size: int = 4, temperature: float = 1.0) -> Trajectories:
         """G = ``group_size`` sampled trajectories per example (control token, budgets, answer)."""
         return self._rollout(batch, group_size, temperature, greedy=False)
@@ -407,11 +473,7 @@ class ElasticMem(nn.Module):
         if G < 1 or temperature <= 0:
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
         t0 = time.perf_counter()
-        texts = [self.encode_texts(ex) for ex in batch]
-        prompts, suffixes = [t[0] for t in texts], [t[1] for t in texts]
-        a, logp_a, h = self._query_states(prompts, [ex.question for ex in batch], G, greedy)
-        groups = [ex.group for ex in batch for _ in range(G)]
-        rows, scores, mask = self._retrieve(h, groups)
+        prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
         t1 = time.perf_counter()
         h_pol = h.detach() if self.cfg.detach_policy_inputs else h
         bs = self._allocate(h_pol, rows, scores, mask, greedy)
@@ -541,7 +603,9 @@ class ElasticMem(nn.Module):
             logp_control = torch.log_softmax(logits_a, -1).gather(1, traj.control.to(device)[:, None]).squeeze(1)
         else:
             logp_control = torch.zeros(N, device=device)
-        h = H[ar, x.query_pos].float() if mode in ("control", "query_only") else traj.query_state.to(device)
+        own_state = mode in ("control", "query_only")
+        h_query = H[ar, x.query_pos].float() if own_state else None
+        h = h_query if own_state else traj.query_state.to(device)
         if self.cfg.detach_policy_inputs:
             h = h.detach()
         logp_b, ent_b = self._allocate(h, traj.rows, traj.scores, traj.mask, traj.greedy, traj.budgets)
@@ -555,7 +619,7 @@ class ElasticMem(nn.Module):
         logp_ans = torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
         valid = t_idx[None, :] < n_ans[:, None]
         logp_ans = torch.where(valid, logp_ans, torch.zeros_like(logp_ans))
-        return ScoreOutput(logp_control, logp_b, ent_b, logp_ans)
+        return ScoreOutput(logp_control, logp_b, ent_b, logp_ans, h_query)
 
     # ------------------------------------------------------------------ persistence
 

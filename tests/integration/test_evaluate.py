@@ -14,7 +14,6 @@ from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
-
 from conftest import ROOT
 from test_train import _env, tiny_setup  # noqa: F401  (fixture)
 
@@ -40,7 +39,8 @@ def _records(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def variants_run(tiny_setup, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("variants")
-    _evaluate(tiny_setup, out, "eval.limit=24", "eval.batch_size=5", f"eval.variants={VARIANTS}")
+    p = _evaluate(tiny_setup, out, "eval.limit=24", "eval.batch_size=5", f"eval.variants={VARIANTS}")
+    (out / "stdout.txt").write_text(p.stdout)
     return tiny_setup, out
 
 
@@ -56,6 +56,25 @@ def test_every_system_and_ablation_runs_and_is_compared(variants_run):
             assert key in res, (name, key)
         assert len(_records(out / name / "predictions.jsonl")) == 24
         assert name in comparison
+        lo, hi = res["accuracy_ci95"]
+        assert 0.0 <= lo <= res["accuracy"] <= hi <= 1.0 and hi - lo > 0.1, name  # 24 questions: a wide interval
+        assert set(res["per_type_ci95"]) == set(res["per_type"]) == set(res["per_type_counts"]), name
+    # every system against the first, paired on the same 24 questions; recounted from the predictions
+    summary = json.loads((out / "comparison.json").read_text())
+    assert summary["reference"] == "elasticmem" and list(summary["systems"]) == names
+    assert summary["too_few_for_headline"] == names  # 24 < 200
+    ref = {r["id"]: r["correct"] for r in _records(out / "elasticmem" / "predictions.jsonl")}
+    stdout = (out / "stdout.txt").read_text()
+    assert "**n < 200: too few questions for a headline**" in comparison and "## Paired against elasticmem" in comparison
+    for name in names[1:]:
+        pair = summary["paired"][name]
+        other = {r["id"]: r["correct"] for r in _records(out / name / "predictions.jsonl")}
+        assert pair["n"] == 24 and pair["reference"] == "elasticmem", name
+        assert pair["only_a_correct"] == sum(ref[i] and not other[i] for i in ref), name
+        assert pair["only_b_correct"] == sum(other[i] and not ref[i] for i in ref), name
+        assert pair["difference_ci"][0] <= pair["difference"] <= pair["difference_ci"][1] and 0 <= pair["p_value"] <= 1
+        assert f"| {name} | 24 | " in comparison and f"evaluate.py: {name} - elasticmem: " in stdout, name
+    assert "evaluate.py: no_memory: accuracy " in stdout and "(n = 24)" in stdout
     png = (out / "accuracy_vs_tokens.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     for plot in ("budget_by_rank", "budget_vs_score", "budget_histogram"):
@@ -275,6 +294,8 @@ def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_p
     res = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert res["num_examples"] == trainer_eval["num_examples"]
     assert res["accuracy"] == pytest.approx(trainer_eval["accuracy"])
+    assert res["accuracy_ci95"] == pytest.approx(trainer_eval["accuracy_ci95"])
+    assert res["per_type_ci95"] == {t: pytest.approx(ci) for t, ci in trainer_eval["per_type_ci95"].items()}
     assert res["avg_tokens"] == pytest.approx(trainer_eval["avg_tokens"])
     assert res["avg_memory_tokens"] == pytest.approx(trainer_eval["avg_memory_tokens"])
     assert res["checkpoint"] == f"{run}/final"

@@ -75,6 +75,7 @@ def _same_metrics(a: list[dict], b: list[dict]) -> None:
                 assert ra[k] == rb[k], (ra["step"], k)
 
 
+@pytest.mark.timeout(1800)  # 4 trainings of 250 steps: ~2 min on 2 idle cores, far more on a busy machine
 def test_grpo_learns_from_memory_and_not_without(tiny_setup, tmp_path):
     """Chance (0.25) -> >= 0.8 greedy accuracy on 120 held-out histories at EVERY training seed
     (data, bank and model fixed; seeds 0-6 all reach >= 0.90 with the preset); without memory
@@ -328,3 +329,12 @@ def test_bad_data_is_refused_at_start_in_one_error(tiny_setup, tmp_path):
     with pytest.raises(DataError, match="(?s)val.jsonl.*many-1"):
         trainer.train(_cfg(tiny_setup, tmp_path / "out2", f"data.dir={tmp_path}/data", "train.max_steps=1"))
     assert not (tmp_path / "out2" / "metrics.jsonl").exists()
+
+
+def test_token_cost_is_paid_by_right_answers_only():
+    """train.memory_token_cost: reward - cost * B_mem where the task reward is positive."""
+    from elasticmem.grpo.trainer import _token_cost
+
+    rewards, tokens = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([4, 4, 0, 0])
+    assert _token_cost(rewards, tokens, 0.0) is rewards
+    assert _token_cost(rewards, tokens, 0.05).tolist() == pytest.approx([0.8, 0.0, 1.0, 0.0])

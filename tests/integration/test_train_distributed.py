@@ -80,7 +80,13 @@ def _independent(root: Path, ckpt: Path, rec: Path, step: int, overrides: tuple[
     loss, m = elasticmem_loss(new, old, adv, masks, cfg.train.loss, norm)
     loss.backward()
     grads = [p.grad.norm() for p in model.parameters() if p.requires_grad and p.grad is not None]
+    # evidence recall of the rollout, from chunks.jsonl's (group, session, turns) by hand
+    chunks = [json.loads(line) for line in (Path(cfg.bank.dir) / "chunks.jsonl").read_text().splitlines()]
+    where = {(c["group"], c["session"], t): c["row"] for c in chunks for t in c["turns"]}
+    hits = [any(where[(by_id[i].group, s, t)] in set(r.tolist()) for s, t in by_id[i].extra["evidence"])
+            for i, r in zip(traj.example_ids, traj.rows)]
     return {**{k: float(v) for k, v in m.items()}, "loss": float(loss.detach()),
+            f"retrieval/recall@{cfg.memory.top_z}": sum(hits) / len(hits),
             "grad_norm": float(torch.stack(grads).norm()),
             "reward/mean": float(rewards.mean())}
 
@@ -106,7 +112,8 @@ def test_logged_loss_and_grad_norm_equal_one_pass_for_any_processes_and_micro_ba
     logged = runs["one"][1]
     assert ref["units/lm"] > ref["units/budget"] > 0
     for key in ("loss", "loss/lm", "loss/budget", "units/lm", "units/budget", "objective/lm", "objective/budget",
-                "ratio/lm", "ratio/budget", "clip_frac/lm", "entropy/budget", "grad_norm", "reward/mean"):
+                "ratio/lm", "ratio/budget", "clip_frac/lm", "entropy/budget", "grad_norm", "reward/mean",
+                "retrieval/recall@2"):
         assert logged[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
     assert abs(logged["loss"]) > 1e-6 and logged["grad_norm"] > 0  # nothing trivially zero
 

@@ -13,8 +13,8 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_examples
+
 from elasticmem.bank import Bank, BankError, build_bank, build_index
 from elasticmem.bank import builder as builder_mod
 from elasticmem.config import BankConfig, ChunkingConfig, IndexConfig
@@ -89,8 +89,9 @@ def test_manifest_contract(tmp_path, tiny_backbone):
     _, bank = _build(tmp_path, tiny_backbone)
     m = json.loads((bank.root / "manifest.json").read_text())
     for key in ("format_version", "encoder", "hidden_size", "n_cache", "cache_dtype", "num_chunks",
-                "tokenization", "shards", "groups", "groups_sha256"):
+                "tokenization", "shards", "groups", "groups_sha256", "key"):
         assert key in m
+    assert m["key"] == {"variant": "last"} and bank.key == {"variant": "last"}  # the paper's key (the default)
     # groups_sha256: per group, sha256 of its chunk texts in row order, recomputable from chunks.jsonl alone
     texts = [json.loads(line)["text"] for line in (bank.root / "chunks.jsonl").open()]
     assert m["groups_sha256"] == {
@@ -214,6 +215,21 @@ def test_rerun_records_fingerprints_in_an_older_bank(tmp_path, tiny_backbone, mo
     res, again = _build(tmp_path, tiny_backbone)
     assert res.status == "already built" and again.groups_sha256 == expected
     assert [s.sha256 for s in again.shards] == [s.sha256 for s in bank.shards]
+
+
+def test_older_bank_without_key_record_has_the_paper_key(tmp_path, tiny_backbone, monkeypatch):
+    """Banks built before manifests recorded ``key`` hold the paper's keys: they open as 'last', and
+    building them again with bank.key=last finds them finished; another key variant is another bank."""
+    _, bank = _build(tmp_path, tiny_backbone)
+    manifest = json.loads((bank.root / "manifest.json").read_text())
+    assert manifest.pop("key") == {"variant": "last"}
+    (bank.root / "manifest.json").write_text(json.dumps(manifest))
+    assert Bank.open(bank.root).key == {"variant": "last"} and Bank.open(bank.root).key_variant == "last"
+    monkeypatch.setattr(builder_mod, "encode_shard", lambda *a, **k: pytest.fail("nothing to encode"))
+    res, again = _build(tmp_path, tiny_backbone)
+    assert res.status == "already built" and [s.sha256 for s in again.shards] == [s.sha256 for s in bank.shards]
+    with pytest.raises(BankError, match="already holds a different bank"):
+        _build(tmp_path, tiny_backbone, key="mean")
 
 
 def test_truncated_and_corrupted_shards_refused(tmp_path, tiny_backbone):

@@ -292,6 +292,11 @@ def test_build_results_multiple_choice():
     assert out["accuracy"] == pytest.approx(2 / 3)
     assert out["per_type"] == pytest.approx({"multi": 1.0, "single": 0.5})
     assert out["per_type_counts"] == {"multi": 1, "single": 2}
+    # Wilson, z = 1.96: 2 of 3: centre (2 + 1.9208) / 6.8415 = 0.5731, half 1.96 / 6.8415 * sqrt(2/3 + 0.9604) = 0.3654;
+    # 1 of 1: [1 / 4.8415, 1] = [0.2065, 1]; 1 of 2: centre 0.5, half 1.96 / 5.8415 * sqrt(0.5 + 0.9604) = 0.4054
+    assert out["accuracy_ci95"] == pytest.approx([0.2077, 0.9385], abs=1e-4)
+    assert out["per_type_ci95"] == {"multi": pytest.approx([0.2065, 1.0], abs=1e-4),
+                                    "single": pytest.approx([0.0946, 0.9054], abs=1e-4)}
     # totals 110, 124, 84 -> 318 / 3 = 106; memory 8, 2, 0 -> 10/3
     assert out["avg_tokens"] == pytest.approx(106.0)
     assert out["avg_memory_tokens"] == pytest.approx(10 / 3)
@@ -312,6 +317,8 @@ def test_build_results_free_form_and_success_rate(wordnet_home, punkt_tab):
     r2 = rec("2", False, prediction="london", gold="paris")  # F1 0
     out = M.build_results([r1, r2], primary="success_rate", with_sbert=False)
     assert out["success_rate"] == out["accuracy"] == pytest.approx(0.5)
+    # 1 of 2: centre 0.5, half-width 1.96 / 5.8415 * sqrt(0.5 + 0.9604) = 0.4054
+    assert out["success_rate_ci95"] == out["accuracy_ci95"] == pytest.approx([0.0946, 0.9054], abs=1e-4)
     ff = out["free_form"]
     assert ff["per_type"]["1"]["f1"] == pytest.approx(2 / 3)
     assert ff["per_type"]["2"]["f1"] == 0.0

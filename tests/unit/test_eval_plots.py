@@ -12,11 +12,12 @@ worked out by hand in the comments.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from elasticmem.eval import plots, report
+from elasticmem.eval import plots, report, stats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -127,15 +128,18 @@ def free_form(f1_multi: float, f1_temporal: float) -> dict:
 
 
 def test_report_one_evaluation():
-    r = results(0.6125, 231.44, system="elasticmem", avg_B_mem=43.04,
+    r = results(0.615, 231.44, system="elasticmem", avg_B_mem=43.04, accuracy_ci95=[0.5452, 0.6803],
+                per_type_ci95={"temporal": [0.526, 0.6971], "single_hop": [0.2204, 0.4296]},
                 budget_stats={"avg_B_mem": 43.04, "mean_budget": 2.151, "zero_fraction": 0.25, "max_budget": 20,
                               "histogram": [1]},
                 free_form=free_form(0.4, 0.2))
     md = report.results_markdown(r)
-    assert "| accuracy | 61.25 % |" in md
+    assert "| accuracy | 61.5 % [54.5, 68.0] (n = 200) |" in md  # the interval as stored in results.json
+    assert "too few questions" not in md  # n = 200
     assert "| #Tok (tokens per example) | 231.4 |" in md
     assert "| B_mem (sum of budgets per example) | 43.0 |" in md
-    assert "| temporal | 120 | 61.25 |" in md and "| single_hop | 80 | 31.25 |" in md  # 0.6125 - 0.3
+    assert "| question type | n | accuracy (%) [95 % CI] |" in md
+    assert "| temporal | 120 | 61.5 [52.6, 69.7] |" in md and "| single_hop | 80 | 31.5 [22.0, 43.0] |" in md
     # latency 0.05 + 0 + 0.2 = 0.25 s; retrieval 0.05 / 0.25 = 20.0 %
     assert "| retrieval | 0.0500 | 20.0 |" in md and "| **total** | 0.2500 | 100.0 |" in md
     assert "| 2.15 | 25.0 | 20 | 43.0 |" in md
@@ -150,20 +154,90 @@ def test_report_one_evaluation():
     assert "meteor not computed: METEOR needs WordNet" in md
 
 
+def test_report_of_a_small_run_written_before_intervals():
+    """A results.json without interval fields gets the Wilson interval of its counts, and n < 200
+    is flagged. 5 of 10: centre 0.5, half-width 1.96 / 13.84 * sqrt(2.5 + 0.96) = 0.2634;
+    3 of 4: centre (3 + 1.92) / 7.84 = 0.6276, half-width 1.96 / 7.84 * sqrt(0.75 + 0.96) = 0.3269."""
+    r = {"accuracy": 0.5, "num_examples": 10, "per_type": {"a": 0.75, "b": 1 / 3},
+         "per_type_counts": {"a": 4, "b": 6}}
+    md = report.results_markdown(r)
+    assert "| accuracy | 50.0 % [23.7, 76.3] (n = 10) |" in md
+    assert "**n < 200: too few questions for a headline** (n = 10)" in md
+    assert "| a | 4 | 75.0 [30.1, 95.4] |" in md
+    r = {"success_rate": 0.5, "accuracy": 0.5, "num_examples": 10}
+    assert "| success rate | 50.0 % [23.7, 76.3] (n = 10) |" in report.results_markdown(r)
+
+
+def _predictions(path: Path, outcomes: dict[str, bool]) -> dict[str, bool]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": i, "correct": c}) + "\n" for i, c in outcomes.items()))
+    return outcomes
+
+
+def _mcnemar_by_hand(b: int, c: int) -> float:
+    return min(1.0, 2 * sum(math.comb(b + c, i) for i in range(min(b, c) + 1)) / 2 ** (b + c))
+
+
 def test_report_comparison(tmp_path):
-    rs = {"ElasticMem": results(0.7, 300.0, avg_B_mem=42.0), "text-RAG": results(0.6, 2500.0)}
-    md = report.comparison_markdown(rs)
-    assert "| system | n | accuracy (%) | single_hop (%) | temporal (%) | #Tok | B_mem |" in md
-    assert ("| ElasticMem | 200 | 70.00 | 40.00 | 70.00 | 300.0 | 42.0 | 30.0 | 0.2500 | 0.0500 | 0.0000 | 0.2000 |"
+    # 200 questions: both right on q0-q99, only ElasticMem on q100-q139, only text-RAG on q140-q159, neither after:
+    # ElasticMem 140/200 = 70 %, text-RAG 120/200 = 60 %; text-RAG - ElasticMem = -10 points on 60 discordant
+    em = {f"q{i}": i < 140 for i in range(200)}
+    rag = {f"q{i}": i < 100 or 140 <= i < 160 for i in range(200)}
+    rs = {"ElasticMem": results(0.7, 300.0, avg_B_mem=42.0, accuracy_ci95=[0.6332, 0.7592]),
+          "text-RAG": results(0.6, 2500.0, accuracy_ci95=[0.5308, 0.6654])}
+    md = report.comparison_markdown(rs, correct={"ElasticMem": em, "text-RAG": rag})
+    assert "| system | n | accuracy (%) [95 % CI] | #Tok | B_mem | memory tokens | latency (s) |" in md
+    assert ("| ElasticMem | 200 | 70.0 [63.3, 75.9] | 300.0 | 42.0 | 30.0 | 0.2500 | 0.0500 | 0.0000 | 0.2000 |"
             in md)
-    assert "| text-RAG | 200 | 60.00 | 30.00 | 60.00 | 2500.0 | – | 250.0 |" in md
+    assert "| text-RAG | 200 | 60.0 [53.1, 66.5] | 2500.0 | – | 250.0 |" in md
+    assert "too few questions" not in md  # 200 questions
+    assert "## Paired against ElasticMem" in md
+    c = stats.paired_comparison(*stats.pair_by_id(em, rag))
+    assert c.p_value == pytest.approx(_mcnemar_by_hand(40, 20))
+    lo, hi = (f"{100 * x:+.1f}" for x in c.difference_ci)
+    p = f"{c.p_value:.3f}"
+    assert f"| text-RAG | 200 | -10.0 [{lo}, {hi}] | 20 | 40 | {p} |  |" in md
+    # per type, with n: temporal 70 %, single_hop 40 % (results() puts acc - 0.3 there)
+    assert "| system | single_hop | temporal |" in md
+    assert "| ElasticMem | 40.0 [" in md and "(n = 80) | 70.0 [" in md and "(n = 120) |" in md
     assert "Free-form" not in md  # no free-form metrics in these results
+
+    # other questions: not paired, said so; fewer than 200 flagged
+    small = {"a": results(0.5, 10.0, num_examples=4), "b": results(0.75, 10.0, num_examples=4)}
+    md = report.comparison_markdown(small, correct={"a": {"x": True, "y": False}, "b": {"x": True, "z": False}})
+    assert "**n < 200: too few questions for a headline**: a, b" in md
+    assert "| b | – | – | – | – | – | not paired: not the same questions: 1 id(s) only in the first" in md
+
+    # the CLI pairs by the predictions.jsonl beside each results.json; writes comparison.json beside the .md
+    for name, r, outcomes in (("em", rs["ElasticMem"], em), ("rag", rs["text-RAG"], rag)):
+        _predictions(tmp_path / name / "predictions.jsonl", outcomes)
+        (tmp_path / name / "results.json").write_text(json.dumps(r))
+    assert report.main(["compare", str(tmp_path / "em/results.json"), str(tmp_path / "rag/results.json"),
+                        "--names", "em", "rag", "--out", str(tmp_path / "c.md")]) == 0
+    assert f"| rag | 200 | -10.0 [{lo}, {hi}] | 20 | 40 | {p} |" in (tmp_path / "c.md").read_text()
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["reference"] == "em" and data["too_few_for_headline"] == [] and set(data["systems"]) == {"em", "rag"}
+    pair = data["paired"]["rag"]
+    assert (pair["n"], pair["only_a_correct"], pair["only_b_correct"], pair["both_correct"]) == (200, 40, 20, 100)
+    assert pair["difference"] == pytest.approx(-0.1) and pair["difference_ci"] == pytest.approx(list(c.difference_ci))
+    assert pair["p_value"] == pytest.approx(_mcnemar_by_hand(40, 20))
+
     p = tmp_path / "r.json"
     p.write_text(json.dumps(results(0.5, 10.0, system="x")))
     assert report.main(["one", str(p)]) == 0
-    assert "| accuracy | 50.00 % |" in (tmp_path / "report.md").read_text()
+    # 100 of 200 (no stored interval): centre 0.5, half-width 1.96 / 203.84 * sqrt(50 + 0.96) = 0.0686
+    assert "| accuracy | 50.0 % [43.1, 56.9] (n = 200) |" in (tmp_path / "report.md").read_text()
     assert report.main(["compare", str(p), str(p), "--names", "u", "v", "--out", str(tmp_path / "c.md")]) == 0
-    assert "| u | 200 | 50.00 |" in (tmp_path / "c.md").read_text()
+    text = (tmp_path / "c.md").read_text()
+    assert "| u | 200 | 50.0 [43.1, 56.9] |" in text
+    assert "not paired: no per-example outcomes of u" in text  # no predictions.jsonl beside r.json
+
+
+def test_load_correct_refuses_a_repeated_id(tmp_path):
+    path = tmp_path / "predictions.jsonl"
+    path.write_text('{"id": "q1", "correct": true}\n{"id": "q1", "correct": false}\n')
+    with pytest.raises(ValueError, match="q1.*twice"):
+        report.load_correct(path)
 
 
 def test_locomo_category_names():

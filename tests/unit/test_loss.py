@@ -564,3 +564,50 @@ def test_bad_inputs_raise():
         elasticmem_loss(dataclasses.replace(new, budget_entropy=None), old, adv, masks, cfg, norm)
     with pytest.raises(ValueError, match="keep"):
         elasticmem_loss(new, old, adv, masks, cfg, norm, keep=torch.ones(N))
+
+
+# ---------------------------------------------------------------------------- auxiliary retrieval loss
+
+
+def _retrieval_reference(h, keys, candidates, positive, tau, count):
+    """Per trajectory, in plain Python: -log(sum of softmax probabilities of the evidence)."""
+    import math as m
+
+    total = 0.0
+    for i in range(h.shape[0]):
+        cand = [j for j in range(keys.shape[1]) if candidates[i, j]]
+        pos = [j for j in cand if positive[i, j]]
+        if not pos:
+            continue
+        hn = h[i] / h[i].norm()
+        e = {j: m.exp(float(hn @ keys[i, j]) / tau) for j in cand}
+        total += -m.log(sum(e[j] for j in pos) / sum(e.values()))
+    return total / count
+
+
+def test_retrieval_loss_equals_softmax_cross_entropy_and_adds_over_micro_batches():
+    from elasticmem.grpo.loss import retrieval_loss
+
+    g = torch.Generator().manual_seed(0)
+    N, M, d = 6, 5, 8
+    h = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    keys = torch.nn.functional.normalize(torch.randn(N, M, d, generator=g, dtype=torch.float64), dim=-1)
+    candidates = torch.ones(N, M, dtype=torch.bool)
+    candidates[1, 3:] = False  # a smaller group, padded
+    positive = torch.zeros(N, M, dtype=torch.bool)
+    positive[0, 1] = positive[1, 0] = positive[2, 2] = positive[2, 4] = positive[4, 3] = True  # 3: none; 5: none
+    positive[1, 4] = True  # evidence in a padded slot does not count
+    count = 4
+    loss, m = retrieval_loss(h, keys, candidates, positive, 0.1, count)
+    assert float(loss) == pytest.approx(_retrieval_reference(h.detach(), keys, candidates, positive, 0.1, count),
+                                        rel=1e-10)
+    assert float(m["units/retrieval"]) == 4
+    loss.backward()
+    assert torch.isfinite(h.grad).all() and h.grad[3].abs().max() == 0 and h.grad[5].abs().max() == 0
+    # micro-batches with the same normaliser add up to the batch
+    parts = [retrieval_loss(h[s], keys[s], candidates[s], positive[s], 0.1, count)[0] for s in (slice(0, 2), slice(2, 6))]
+    assert float(sum(parts)) == pytest.approx(float(loss), rel=1e-12)
+    # a trajectory with its evidence ranked first by far has a loss near 0
+    sharp = keys[0, 1].clone()[None] * 50
+    near0, _ = retrieval_loss(sharp, keys[:1], candidates[:1], positive[:1], 0.01, 1)
+    assert float(near0) < 1e-6

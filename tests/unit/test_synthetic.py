@@ -7,6 +7,7 @@ Run with::
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter, defaultdict
@@ -20,6 +21,8 @@ from elasticmem.data.schema import SPLITS, Example, read_examples
 from elasticmem.data.synthetic import SyntheticConfig, generate, write_synthetic
 
 TINY = dict(variant="tiny", num_facts=6)
+ACK = dict(assistant_replies="acknowledge")
+STYLES = ["engaged", "acknowledge"]
 
 
 def _mentions(text: str, value: str) -> bool:
@@ -39,20 +42,27 @@ def _all(splits: dict[str, list[Example]]) -> list[Example]:
     return [ex for split in SPLITS for ex in splits[split]]
 
 
-@pytest.fixture(scope="module")
-def persona() -> list[Example]:
-    return _all(generate(SyntheticConfig(num_histories=150), seed=3))
+@functools.cache
+def _persona(style: str) -> list[Example]:
+    return _all(generate(SyntheticConfig(num_histories=150, assistant_replies=style), seed=3))
 
 
-@pytest.fixture(scope="module")
-def persona10() -> list[Example]:
-    return _all(generate(SyntheticConfig(num_histories=40, num_options=10, num_distractors=9), seed=4))
+@functools.cache
+def _persona10(style: str) -> list[Example]:
+    cfg = SyntheticConfig(num_histories=40, num_options=10, num_distractors=9, assistant_replies=style)
+    return _all(generate(cfg, seed=4))
+
+
+@pytest.fixture(params=STYLES)
+def persona(request) -> list[Example]:
+    """MC-4 persona examples, once per reply style."""
+    return _persona(request.param)
 
 
 # --------------------------------------------------------------------------- files and splits
 
 
-@pytest.mark.parametrize("kwargs", [{}, TINY])
+@pytest.mark.parametrize("kwargs", [{}, ACK, TINY])
 def test_same_seed_same_files_other_seed_other_files(tmp_path: Path, kwargs: dict) -> None:
     cfg = SyntheticConfig(num_histories=12, **kwargs)
     write_synthetic(cfg, 7, tmp_path / "a")
@@ -64,7 +74,7 @@ def test_same_seed_same_files_other_seed_other_files(tmp_path: Path, kwargs: dic
         assert a != (tmp_path / "c" / f"{split}.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize("kwargs", [{}, TINY])
+@pytest.mark.parametrize("kwargs", [{}, ACK, TINY])
 def test_files_parse_back_to_the_generated_examples(tmp_path: Path, kwargs: dict) -> None:
     cfg = SyntheticConfig(num_histories=10, **kwargs)
     write_synthetic(cfg, 1, tmp_path)
@@ -138,9 +148,10 @@ def test_persona_sessions_are_dated_paired_and_ordered(persona: list[Example]) -
         assert dates == sorted(dates) and len(set(dates)) == len(dates)
 
 
-@pytest.mark.parametrize("fixture", ["persona", "persona10"])
-def test_gold_lives_in_its_evidence_and_every_option_once(fixture: str, request) -> None:
-    examples: list[Example] = request.getfixturevalue(fixture)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("make", [_persona, _persona10], ids=["mc4", "mc10"])
+def test_gold_lives_in_its_evidence_and_every_option_once(make, style: str) -> None:
+    examples = make(style)
     types = Counter()
     for ex in examples:
         types[ex.question_type] += 1
@@ -174,9 +185,16 @@ def test_gold_lives_in_its_evidence_and_every_option_once(fixture: str, request)
     assert set(types) == {"single_hop", "multi_hop", "knowledge_update"}
 
 
+def _reply_templates() -> list[str]:
+    """Every fixed text of an engaged reply (with its placeholders)."""
+    return [*(t for ts in synthetic.FACT_OPENERS.values() for t in ts), *synthetic.REPLY_CLOSERS,
+            *synthetic.REPLY_NOUNS.values(), *synthetic.LINK_REPLIES,
+            *(t for ts in synthetic.FILLER_REPLIES.values() for t in ts)]
+
+
 def test_persona_pools_never_leak_into_other_text() -> None:
     fixed = [*synthetic.FILLER, *synthetic.ACKNOWLEDGEMENTS, *(t for g in synthetic.GREETINGS for t in g),
-             *synthetic.RELATIONS, *synthetic.PERSON_NAMES, synthetic.LINK_TEMPLATE]
+             *synthetic.RELATIONS, *synthetic.PERSON_NAMES, synthetic.LINK_TEMPLATE, *_reply_templates()]
     for cat in synthetic.PERSONA_CATEGORIES:
         fixed += [cat.statement, cat.question, cat.update, cat.question_now]
     values = [v for cat in synthetic.PERSONA_CATEGORIES for v in cat.values]
@@ -186,6 +204,57 @@ def test_persona_pools_never_leak_into_other_text() -> None:
     for v in values:
         assert not [t for t in fixed if _mentions(t, v)], v
         assert not [w for w in values if w != v and _mentions(w, v)], v
+
+
+def test_engaged_reply_templates_cover_every_topic_and_name_no_person() -> None:
+    names = {c.name for c in synthetic.PERSONA_CATEGORIES}
+    assert set(synthetic.FACT_OPENERS) == set(synthetic.REPLY_NOUNS) == names
+    assert set(synthetic.FILLER_REPLIES) == set(synthetic.FILLER)
+    assert all(len(ts) >= 2 for ts in [*synthetic.FACT_OPENERS.values(), *synthetic.FILLER_REPLIES.values()])
+    assert len(synthetic.REPLY_CLOSERS) >= 3 and len(synthetic.LINK_REPLIES) >= 3
+    # A person in a reply would add a chunk that mentions them (multi-hop names live in exactly
+    # two chunks, a relation never in the answer's chunk), so only link replies name one, their own.
+    people = [*synthetic.RELATIONS, *synthetic.PERSON_NAMES]
+    for text in _reply_templates():
+        assert not [p for p in people if _mentions(text, p)], text
+    # Fact replies never name the subject: they read the same for the user's facts and the distractors.
+    for text in [*(t for ts in synthetic.FACT_OPENERS.values() for t in ts), *synthetic.REPLY_CLOSERS]:
+        assert not re.search(r"\b(you|your|yours)\b", text, re.IGNORECASE), text
+        assert "{noun}" in text or "{v}" in text.lower(), text
+
+
+def test_reply_styles_differ_only_in_assistant_replies() -> None:
+    engaged = _all(generate(SyntheticConfig(num_histories=30), seed=9))
+    acknowledge = _all(generate(SyntheticConfig(num_histories=30, assistant_replies="acknowledge"), seed=9))
+    greetings = {reply for _, reply in synthetic.GREETINGS}
+    replies: dict[str, set] = {"engaged": set(), "acknowledge": set()}
+    for e, a in zip(engaged, acknowledge, strict=True):
+        assert (e.id, e.question, e.choices, e.answer_index, e.extra) == (a.id, a.question, a.choices, a.answer_index, a.extra)
+        assert [len(s) for s in e.history] == [len(s) for s in a.history]
+        for se, sa in zip(e.history, a.history):
+            for te, ta in zip(se, sa):
+                assert (te.role, te.date) == (ta.role, ta.date)
+                if te.role == "user" or ta.content in greetings:
+                    assert te.content == ta.content
+                else:
+                    assert ta.content in synthetic.ACKNOWLEDGEMENTS and te.content not in synthetic.ACKNOWLEDGEMENTS
+                    replies["engaged"].add(te.content)
+                    replies["acknowledge"].add(ta.content)
+    assert len(replies["acknowledge"]) == len(synthetic.ACKNOWLEDGEMENTS)
+    assert len(replies["engaged"]) > 20 * len(synthetic.ACKNOWLEDGEMENTS)
+
+
+def test_engaged_fact_replies_name_the_value_or_the_attribute() -> None:
+    by_value = {v: cat for cat in synthetic.PERSONA_CATEGORIES for v in cat.values}
+    for ex in _persona("engaged")[::6]:
+        for session in ex.history:
+            for user, reply in zip(session[::2], session[1::2]):
+                said = [v for v in by_value if _mentions(user.content, v)]
+                if not said:
+                    continue
+                (value,) = said
+                assert _mentions(reply.content, value) or _mentions(reply.content, synthetic.REPLY_NOUNS[by_value[value].name])
+                assert reply.content.endswith(("?", ".", "!"))
 
 
 def test_gold_position_is_uniform(persona: list[Example]) -> None:
@@ -277,6 +346,7 @@ def test_tiny_uses_only_the_first_num_keys_keys() -> None:
         (dict(num_filler=100), "num_filler must be in"),
         (dict(num_histories=0), "num_histories must be >= 1"),
         (dict(variant="huge"), "variant must be"),
+        (dict(assistant_replies="polite"), "assistant_replies must be 'engaged' or 'acknowledge'"),
         (dict(variant="tiny", num_keys=30), "num_keys must be in 1..24"),
         (dict(variant="tiny", num_facts=8, num_keys=6), "must be <= num_keys"),
     ],

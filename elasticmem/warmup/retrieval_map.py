@@ -1,0 +1,410 @@
+"""A learned query/key map for retrieval (``memory.retrieval_map``; a departure from the paper).
+
+The paper retrieves by the plain cosine of the query state h and the bank keys k_i. On real
+LoCoMo that is near chance with SmolLM2's own states (DESIGN.md section 4). This module trains
+two small maps, ``f_q`` for query states and ``f_k`` for keys, and the model then ranks by
+``cos(f_q(h), f_k(k_i))``. The bank is not re-encoded: ``f_k`` is applied to its stored keys
+once, when the model is built.
+
+Both maps first standardise their input per dimension (``(x - mean) / std``, the statistics of
+the training query states and of the training keys). Kinds:
+
+- ``standardize``: only that (no training; the statistics are the "learned" part);
+- ``linear``: then ``Linear(d, d_out)`` each;
+- ``mlp``: then ``Linear(d, hidden) -> GELU -> Dropout -> Linear(hidden, d_out)`` each.
+
+With ``residual`` (the default) a net computes ``x + net(x)`` and its last layer starts at
+zero, so training starts from the standardisation and learns a correction (d_out = d). On
+LoCoMo, maps trained from scratch on the 883 training pairs end below the standardisation
+alone; residual ones end well above it (README, "The model").
+
+Training (``linear``, ``mlp``): InfoNCE over (question state, evidence chunk) pairs of the
+training split's questions: per question, the softmax of ``cos / temperature`` over every chunk
+of its conversation (same-conversation negatives; ``negatives="all"`` adds every other
+training chunk, which includes the in-batch positives), with all its evidence chunks as
+positives (``-log sum_pos p``). Query states come from the model's own retrieval mode
+(``ElasticMem._query_states``), keys from a bank of the training split, so the map fits the
+mode and key variant it was trained for; the file records both, and the encoder's fingerprint,
+and the model refuses it for anything else.
+
+    python build_bank.py --config configs/locomo_mc10.yaml bank.dir=runs/bank/locomo_train \\
+        'bank.splits=[train]' bank.key=layer_mean
+    python -m elasticmem.warmup.retrieval_map --config configs/locomo_mc10.yaml \\
+        bank.dir=runs/bank/locomo_train bank.key=layer_mean memory.retrieval=layer_mean \\
+        --kind linear --out runs/maps/locomo_layer_mean_linear.safetensors
+    python evaluate.py --config configs/locomo_mc10.yaml memory.retrieval=layer_mean \\
+        memory.retrieval_map=runs/maps/locomo_layer_mean_linear.safetensors ...
+
+File: safetensors, tensors of ``RetrievalMap.state_dict()`` (float32), metadata
+``{format_version, kind, d_in, d_out, hidden, dropout, retrieval, key (JSON), encoder
+(JSON: name_or_path, fingerprint), train (JSON: data, splits, pairs, settings, loss)}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from elasticmem.bank.index import SearchResult, TorchIndex
+from elasticmem.bank.store import Bank
+
+FORMAT_VERSION = 1
+KINDS = ("standardize", "linear", "mlp")
+
+
+class RetrievalMapError(ValueError):
+    """A retrieval map file is missing, malformed, or made for another mode, key or encoder."""
+
+
+# --------------------------------------------------------------------------- the map
+
+
+class RetrievalMap(nn.Module):
+    """``f_q`` and ``f_k``: per-dimension standardisation, then (``linear``/``mlp``) a small net each."""
+
+    def __init__(self, d_in: int, kind: str = "linear", d_out: int = 256, hidden: int = 1024, dropout: float = 0.1,
+                 residual: bool = False):
+        super().__init__()
+        if kind not in KINDS:
+            raise RetrievalMapError(f"kind must be one of {KINDS}, got {kind!r}")
+        self.kind, self.d_in, self.hidden, self.dropout = kind, int(d_in), int(hidden), float(dropout)
+        self.residual = bool(residual) and kind != "standardize"
+        self.d_out = int(d_in) if kind == "standardize" or self.residual else int(d_out)
+        for side in ("query", "key"):
+            self.register_buffer(f"{side}_mean", torch.zeros(d_in))
+            self.register_buffer(f"{side}_std", torch.ones(d_in))
+        self.query = self._net()
+        self.key = self._net()
+
+    def _net(self) -> nn.Module:
+        if self.kind == "standardize":
+            return nn.Identity()
+        if self.kind == "linear":
+            net = nn.Linear(self.d_in, self.d_out)
+        else:
+            net = nn.Sequential(nn.Linear(self.d_in, self.hidden), nn.GELU(), nn.Dropout(self.dropout),
+                                nn.Linear(self.hidden, self.d_out))
+        if self.residual:  # x + net(x), net(x) = 0 at the start: training starts at the standardisation
+            last = net if self.kind == "linear" else net[-1]
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
+        return net
+
+    def _apply(self, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x + net(x) if self.residual else net(x)
+
+    def set_statistics(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        """Standardisation statistics from training query states [N, d] and keys [M, d]."""
+        for side, x in (("query", queries), ("key", keys)):
+            x = x.float()
+            getattr(self, f"{side}_mean").copy_(x.mean(0))
+            getattr(self, f"{side}_std").copy_(x.std(0).clamp_min(1e-6) if x.shape[0] > 1 else torch.ones(x.shape[1]))
+
+    def map_queries(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., d_in] -> [..., d_out] (not normalised; the index normalises)."""
+        h = h.float().to(self.query_mean.device)
+        return self._apply(self.query, (h - self.query_mean) / self.query_std)
+
+    def map_keys(self, k: torch.Tensor) -> torch.Tensor:
+        k = k.float().to(self.key_mean.device)
+        return self._apply(self.key, (k - self.key_mean) / self.key_std)
+
+    def save(self, path: str | Path, retrieval: str, key: dict[str, Any], encoder: dict[str, str],
+             train: dict[str, Any] | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format_version": str(FORMAT_VERSION), "kind": self.kind, "d_in": str(self.d_in),
+                "d_out": str(self.d_out), "hidden": str(self.hidden), "dropout": str(self.dropout),
+                "residual": str(int(self.residual)),
+                "retrieval": retrieval, "key": json.dumps(key, sort_keys=True),
+                "encoder": json.dumps(encoder, sort_keys=True), "train": json.dumps(train or {}, sort_keys=True)}
+        tensors = {n: t.detach().float().cpu().contiguous() for n, t in self.state_dict().items()}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+
+def load_retrieval_map(path: str | Path) -> tuple[RetrievalMap, dict[str, Any]]:
+    """The map (eval mode, CPU) and its metadata (``key``, ``encoder``, ``train`` parsed from JSON)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise RetrievalMapError(f"retrieval map {path} not found (train one with "
+                                f"`python -m elasticmem.warmup.retrieval_map --config ... --out {path}`)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for broken files
+        raise RetrievalMapError(f"{path} is not a readable safetensors file ({e})") from None
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise RetrievalMapError(f"{path}: not a retrieval map of format {FORMAT_VERSION} "
+                                f"(format_version {meta.get('format_version')!r})")
+    for name in ("key", "encoder", "train"):
+        meta[name] = json.loads(meta[name])
+    m = RetrievalMap(int(meta["d_in"]), meta["kind"], int(meta["d_out"]), int(meta["hidden"]), float(meta["dropout"]),
+                     bool(int(meta.get("residual", "0"))))
+    m.load_state_dict(tensors)
+    return m.eval().requires_grad_(False), meta
+
+
+def check_retrieval_map(meta: dict[str, Any], path: str | Path, retrieval: str, key: dict[str, Any],
+                        fingerprint: str) -> None:
+    """Refuse a map trained for another retrieval mode, key variant or encoder."""
+    problems = []
+    if meta["retrieval"] != retrieval:
+        problems.append(f"it maps '{meta['retrieval']}' query states but memory.retrieval is '{retrieval}'")
+    if meta["key"] != key:
+        problems.append(f"it was trained on keys {meta['key']} but the bank's keys are {key}")
+    if meta["encoder"].get("fingerprint") != fingerprint:
+        problems.append(f"it was trained on states of {meta['encoder'].get('name_or_path')!r} "
+                        f"({str(meta['encoder'].get('fingerprint'))[:23]}...), not of this backbone "
+                        f"({fingerprint[:23]}...)")
+    if problems:
+        raise RetrievalMapError(f"retrieval map {path} does not fit: " + "; ".join(problems)
+                                + ". Train a map for these settings (python -m elasticmem.warmup.retrieval_map)")
+
+
+class MappedIndex:
+    """Exact cosine top-k of ``f_q(h)`` over ``f_k(keys)`` of a bank (mapped once, kept in memory)."""
+
+    def __init__(self, bank: Bank, rmap: RetrievalMap, batch_rows: int = 8192):
+        self.map = rmap
+        with torch.no_grad():
+            parts = [rmap.map_keys(bank.keys(a, min(a + batch_rows, bank.num_chunks)))
+                     for a in range(0, bank.num_chunks, batch_rows)]
+        keys = torch.cat(parts) if parts else torch.zeros(0, rmap.d_out)
+        self.keys = nn.functional.normalize(keys, dim=-1)
+        self._index = TorchIndex(bank, self.keys)
+
+    def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
+        with torch.no_grad():
+            return self._index.search(self.map.map_queries(queries.detach().cpu()), k, groups)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class MapTrainConfig:
+    kind: str = "linear"
+    d_out: int = 256
+    hidden: int = 1024
+    dropout: float = 0.1
+    epochs: int = 10
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    temperature: float = 0.05
+    batch_size: int = 64
+    negatives: str = "group"
+    """'group': the other chunks of the question's conversation; 'all': every training chunk."""
+    seed: int = 0
+    residual: bool = True
+    """x + net(x) with net's last layer zero at the start (d_out = d_in): the map starts as the
+    standardisation and learns a correction (without it, 883 LoCoMo pairs overfit a map from
+    scratch: it ends below the standardisation alone)."""
+
+
+def info_nce(q: torch.Tensor, k: torch.Tensor, positives: Sequence[Sequence[int]],
+             ranges: Sequence[tuple[int, int]] | None, temperature: float) -> torch.Tensor:
+    """Mean over queries of ``-log sum_{i in pos} softmax(cos(q, k) / t)_i``.
+
+    Args:
+        q: [B, D] mapped queries; k: [M, D] mapped keys (both normalised here).
+        positives: B lists of rows of ``k`` (non-empty).
+        ranges: B ``[lo, hi)`` candidate rows per query (its conversation); None = all M rows.
+    """
+    s = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).T / temperature  # [B, M]
+    B, M = s.shape
+    rows = torch.arange(M)[None, :]
+    if ranges is not None:
+        lo = torch.tensor([r[0] for r in ranges])[:, None]
+        hi = torch.tensor([r[1] for r in ranges])[:, None]
+        s = s.masked_fill((rows < lo) | (rows >= hi), float("-inf"))
+    pos = torch.zeros(B, M, dtype=torch.bool)
+    for i, p in enumerate(positives):
+        pos[i, list(p)] = True
+    return (torch.logsumexp(s, -1) - torch.logsumexp(s.masked_fill(~pos, float("-inf")), -1)).mean()
+
+
+def train_map(queries: torch.Tensor, positives: Sequence[Sequence[int]], ranges: Sequence[tuple[int, int]],
+              keys: torch.Tensor, cfg: MapTrainConfig, log: Callable[[str], None] | None = None) -> RetrievalMap:
+    """Fit a ``RetrievalMap`` to training pairs.
+
+    Args:
+        queries: [N, d] query states; positives: N non-empty lists of rows of ``keys`` (evidence);
+        ranges: N ``[lo, hi)`` rows of each query's conversation in ``keys``; keys: [M, d].
+    """
+    if len(queries) != len(positives) or len(queries) != len(ranges):
+        raise ValueError("queries, positives and ranges must have one entry per question")
+    if any(not p for p in positives):
+        raise ValueError("every training question needs at least one evidence row")
+    if cfg.negatives not in ("group", "all"):
+        raise ValueError(f"negatives must be 'group' or 'all', got {cfg.negatives!r}")
+    torch.manual_seed(cfg.seed)
+    rmap = RetrievalMap(queries.shape[1], cfg.kind, cfg.d_out, cfg.hidden, cfg.dropout, cfg.residual)
+    rmap.set_statistics(queries, keys)
+    if cfg.kind == "standardize" or cfg.epochs == 0:
+        return rmap.eval().requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in rmap.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    queries, keys = queries.float(), keys.float()
+    for epoch in range(cfg.epochs):
+        rmap.train()
+        order = torch.randperm(len(queries), generator=gen).tolist()
+        total = 0.0
+        for a in range(0, len(order), cfg.batch_size):
+            idx = order[a : a + cfg.batch_size]
+            loss = info_nce(rmap.map_queries(queries[idx]), rmap.map_keys(keys), [positives[i] for i in idx],
+                            None if cfg.negatives == "all" else [ranges[i] for i in idx], cfg.temperature)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        if log is not None:
+            log(f"epoch {epoch + 1}/{cfg.epochs}: InfoNCE {total / len(order):.4f}")
+    return rmap.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def query_states(model, examples: Sequence, batch_size: int = 16) -> torch.Tensor:
+    """[N, d] the model's retrieval query state of each example (greedy control token where the
+    mode has one), exactly as ``ElasticMem`` computes it before the search."""
+    out = []
+    with torch.no_grad():
+        for a in range(0, len(examples), batch_size):
+            batch = examples[a : a + batch_size]
+            prompts = [model.encode_texts(ex)[0] for ex in batch]
+            out.append(model._query_states(prompts, [ex.question for ex in batch], 1, True)[2].float().cpu())
+    return torch.cat(out) if out else torch.zeros(0, model.bank.hidden_size)
+
+
+def training_pairs(examples: Sequence, bank: Bank) -> tuple[list, list[list[int]], list[tuple[int, int]], int]:
+    """Examples with evidence in ``bank``, their evidence rows, their group's rows, and how many
+    examples had none."""
+    from elasticmem.eval.retrieval import evidence_rows
+
+    kept, positives, ranges = [], [], []
+    for ex in examples:
+        rows = evidence_rows(ex, bank)
+        if rows:
+            kept.append(ex)
+            positives.append(sorted(rows))
+            ranges.append(bank.group_rows(ex.group))
+    return kept, positives, ranges, len(examples) - len(kept)
+
+
+def recall_any(rmap: RetrievalMap | None, queries: torch.Tensor, positives, ranges, keys: torch.Tensor,
+               ks: Sequence[int] = (1, 5, 20)) -> dict[int, float]:
+    """Fraction of questions with an evidence row in the top k of their conversation (a check)."""
+    with torch.no_grad():
+        q = queries if rmap is None else rmap.map_queries(queries)
+        k = keys if rmap is None else rmap.map_keys(keys)
+        s = nn.functional.normalize(q.float(), dim=-1) @ nn.functional.normalize(k.float(), dim=-1).T
+    hits = {k_: 0 for k_ in ks}
+    for i, (lo, hi) in enumerate(ranges):
+        top = (torch.topk(s[i, lo:hi], min(max(ks), hi - lo)).indices + lo).tolist()
+        for k_ in ks:
+            hits[k_] += bool(set(top[:k_]) & set(positives[i]))
+    return {k_: hits[k_] / max(len(ranges), 1) for k_ in ks}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elasticmem.config import Config
+    from elasticmem.utils.configuration import parse_cli, print_config
+
+    defaults = MapTrainConfig()
+
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--out", required=True, help="the map file to write (.safetensors)")
+        p.add_argument("--split", dest="splits", action="append",
+                       help="a split of data.dir whose questions train the map (repeatable; default: train only)")
+        p.add_argument("--kind", choices=KINDS, default=defaults.kind)
+        p.add_argument("--residual", action=argparse.BooleanOptionalAction, default=defaults.residual,
+                       help="x + net(x), starting at the standardisation (output size = input size)")
+        p.add_argument("--dim", type=int, default=defaults.d_out, help="output size of --no-residual maps")
+        p.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size of the mlp")
+        p.add_argument("--dropout", type=float, default=defaults.dropout)
+        p.add_argument("--epochs", type=int, default=defaults.epochs)
+        p.add_argument("--lr", type=float, default=defaults.lr)
+        p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+        p.add_argument("--temperature", type=float, default=defaults.temperature)
+        p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+        p.add_argument("--negatives", choices=("group", "all"), default=defaults.negatives)
+        p.add_argument("--query-batch", type=int, default=16, help="questions per forward pass")
+
+    cfg, args = parse_cli(Config, argv, prog="python -m elasticmem.warmup.retrieval_map",
+                          description=__doc__, extra=extra)
+    import dataclasses
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.data.schema import load_split
+    from elasticmem.model.elasticmem import ElasticMem
+
+    if cfg.memory.retrieval in ("semantic", "recent"):
+        print(f"retrieval_map: error: memory.retrieval={cfg.memory.retrieval} does not retrieve by the model's "
+              f"states; nothing to map", file=sys.stderr)
+        return 2
+    args.splits = args.splits or ["train"]
+    print_config(cfg, file=sys.stderr)
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    backbone = load_backbone(cfg.model)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    examples = [ex for s in args.splits for ex in load_split(cfg.data.dir, s)]
+    missing = sorted({ex.group for ex in examples} - set(bank.groups))
+    if missing:
+        print(f"retrieval_map: error: bank {cfg.bank.dir} lacks {len(missing)} group(s) of {'+'.join(args.splits)} "
+              f"(e.g. {missing[0]!r}); build it with build_bank.py ... 'bank.splits=[{','.join(args.splits)}]'",
+              file=sys.stderr)
+        return 2
+    kept, positives, ranges, n_without = training_pairs(examples, bank)
+    if not kept:
+        print("retrieval_map: error: no question has evidence in the bank", file=sys.stderr)
+        return 2
+    mem = dataclasses.replace(cfg.memory, retrieval_map=None)
+    model = ElasticMem(backbone, mem, bank).eval()
+    t1 = time.perf_counter()
+    queries = query_states(model, kept, args.query_batch)
+    keys = bank.keys().float().clone()
+    t2 = time.perf_counter()
+    print(f"{len(kept)} training questions with evidence ({n_without} without), {bank.num_chunks} chunks in "
+          f"{len(bank.groups)} conversations; query states in {t2 - t1:.1f} s", file=sys.stderr)
+    tcfg = MapTrainConfig(args.kind, args.dim, args.hidden, args.dropout, args.epochs, args.lr, args.weight_decay,
+                          args.temperature, args.batch_size, args.negatives, cfg.seed, args.residual)
+    rmap = train_map(queries, positives, ranges, keys, tcfg, log=lambda s: print(s, file=sys.stderr))
+    before = recall_any(None, queries, positives, ranges, keys)
+    after = recall_any(rmap, queries, positives, ranges, keys)
+    train_info = {"data_dir": cfg.data.dir, "splits": args.splits, "bank_dir": cfg.bank.dir,
+                  "groups": sorted(bank.groups), "pairs": len(kept), "without_evidence": n_without,
+                  "settings": asdict(tcfg), "train_recall_any_before": before, "train_recall_any_after": after,
+                  "seconds": time.perf_counter() - t0}
+    encoder = {"name_or_path": backbone.name_or_path, "fingerprint": backbone.fingerprint}
+    out = rmap.save(args.out, cfg.memory.retrieval, bank.key, encoder, train_info)
+    fmt = lambda r: " ".join(f"R@{k} {v:.3f}" for k, v in r.items())  # noqa: E731
+    print(f"retrieval map ({args.kind}, {cfg.memory.retrieval} queries, keys {bank.key}) -> {out}\n"
+          f"  training questions: {fmt(before)} without the map, {fmt(after)} with it\n"
+          f"  {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

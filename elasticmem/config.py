@@ -387,6 +387,11 @@ class TrainConfig:
     """Extra accelerate trackers, e.g. [tensorboard] or [wandb] (metrics.jsonl is always written)."""
     replay_rollouts: str | None = None
     """Folder of recorded rollouts to train on instead of sampling (tests, debugging); see record_rollouts."""
+    init_from: str | None = None
+    """A saved model (e.g. warmup.output_dir/final, or another run's final) whose adapter, policy
+    and projector start this run; null = fresh ones. Ignored when resuming: the checkpoint holds
+    the weights then. Its adapter, policy and projector settings (memory.lora, memory.policy,
+    memory.projector) must equal this run's, and its backbone must be this one (else refused)."""
     record_rollouts: str | None = None
     """Write every rollout batch to this folder (per process) so a run can be replayed exactly."""
 
@@ -433,6 +438,86 @@ class EvalConfig:
 
 
 @dataclass
+class WarmupConfig:
+    """Supervised reading warm-up before GRPO (``python -m elasticmem.warmup.reading``; a
+    departure from the paper, whose recipe is GRPO only). Teacher forcing on the gold answer
+    ("(b)" + end of turn) with the model's own retrieved memories injected trains the adapter
+    and the projector to read soft tokens: a small reasoner (SmolLM2-135M) does not read its
+    memories at initialisation, even as text, so GRPO alone has no right answers to reinforce.
+    ``train.init_from`` then starts GRPO from the result."""
+
+    output_dir: str = "runs/warmup/default"
+    """Run folder: config.yaml, metrics.jsonl and final/ (a saved model like train.py's)."""
+    split: str = "train"
+    """Split the supervised examples are drawn from."""
+    steps: int = 100
+    """Optimizer steps on the answers (after any reconstruction steps); 0 = none."""
+    batch_size: int = 8
+    """Examples per step."""
+    lr: float = 5.0e-4
+    """AdamW learning rate (adapter and projector), linear warm-up then cosine decay to 10 %."""
+    warmup_steps: int = 5
+    """Linear warm-up steps of the learning rate."""
+    budgets: Literal["max", "uniform", "policy"] = "uniform"
+    """Soft tokens per retrieved memory while reading is taught (latent injection): 'max' =
+    memory.policy.max_budget each; 'uniform' = a uniform draw in 1..max_budget each, so the
+    reasoner learns to read any budget GRPO's policy may later give; 'policy' = the untrained
+    budget policy's samples. The policy itself is not trained here."""
+    target: Literal["letter", "value_letter"] = "letter"
+    """What the answer steps teach the reasoner to say: 'letter' = "(b)"; 'value_letter' = the
+    option's text then its letter, "amber (b)" (the reward still reads the letter): the value
+    is copied from the memory and its letter from the options, two copies a pretrained LM makes
+    readily, instead of one jump from memory to letter. Needs memory.max_new_tokens >= the
+    longest such answer + 1 (checked)."""
+    evidence: bool = True
+    """Where the data records evidence, put the evidence chunks among the retrieved memories
+    (replacing the lowest-ranked others, then ordered by score as retrieval orders them), so
+    every example can be answered from its memories; False = the retrieval as it is."""
+    top_z_start: int | None = None
+    """Curriculum on Z: the answer steps start with this many memories and grow linearly to
+    memory.top_z by the last step (with ``evidence``, a small Z is the evidence alone, the
+    easiest reading); null = memory.top_z throughout."""
+    retrieval_weight: float = 0.0
+    """Weight of the auxiliary retrieval loss (train.loss.retrieval_weight's, at
+    train.loss.retrieval_temperature) on the query state, for retrieval control or query_only."""
+    init_from: str | None = None
+    """A saved model to start from (e.g. a reconstruction-only warm-up: steps=0), as
+    train.init_from; null = fresh adapter and projector."""
+    reconstruct_steps: int = 0
+    """Steps of xRAG's first stage before the answer steps (0 = none): the projector alone is
+    trained so that the frozen LM (adapter off) reproduces a chunk's text from that chunk's soft
+    tokens, ``{reconstruct_prompt}[soft tokens]{reconstruct_suffix}`` -> chunk text + end of
+    text, over the chunks of the training split's groups, at ``budgets`` tokens each."""
+    reconstruct_batch_size: int = 16
+    """Chunks per reconstruction step."""
+    reconstruct_lr: float = 1.0e-3
+    """Learning rate of the projector in the reconstruction steps (same schedule shape)."""
+    reconstruct_prompt: str = "Background:"
+    """Text before the soft tokens in a reconstruction example."""
+    reconstruct_suffix: str = " means the same as"
+    """Text after the soft tokens, before the chunk text to reproduce."""
+    eval_split: str = "val"
+    """Split for the greedy evaluation at the end ('' = none)."""
+    eval_limit: int = 0
+    """Evaluate on at most this many examples (0 = all)."""
+
+    def __post_init__(self) -> None:
+        _require(self.reconstruct_steps >= 0 and self.reconstruct_batch_size >= 1 and self.reconstruct_lr > 0,
+                 "reconstruct_steps must be >= 0, reconstruct_batch_size >= 1 and reconstruct_lr > 0")
+        _require(self.steps >= 0 and self.batch_size >= 1, f"steps must be >= 0 and batch_size >= 1, got "
+                 f"{self.steps} and {self.batch_size}")
+        _require(self.steps + self.reconstruct_steps >= 1, "warmup.steps + warmup.reconstruct_steps must be >= 1")
+        _require(self.lr > 0 and self.warmup_steps >= 0, "lr must be > 0 and warmup_steps >= 0")
+        _require(self.target in ("letter", "value_letter"),
+                 f"target must be 'letter' or 'value_letter', got {self.target!r}")
+        _require(self.budgets in ("max", "uniform", "policy"),
+                 f"budgets must be 'max', 'uniform' or 'policy', got {self.budgets!r}")
+        _require(self.retrieval_weight >= 0, f"retrieval_weight must be >= 0, got {self.retrieval_weight}")
+        _require(self.top_z_start is None or self.top_z_start >= 1,
+                 f"top_z_start must be >= 1 or null, got {self.top_z_start}")
+
+
+@dataclass
 class Config:
     """Top level: one file configures preparation, bank building, training and evaluation."""
 
@@ -454,6 +539,8 @@ class Config:
     """Evaluation (evaluate.py)."""
     amem: AMemConfig = field(default_factory=AMemConfig)
     """The A-Mem baseline (eval.system=amem)."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """The supervised reading warm-up (python -m elasticmem.warmup.reading)."""
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -168,7 +168,8 @@ def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int
         raise ValueError(f"no training steps in {metrics}")
     window = smooth if smooth is not None else max(1, len(train) // 20)
     panels = [("reward", _first_key(train, "reward/mean")),
-              ("accuracy (sampled)", _first_key(train, "accuracy", "reward/accuracy")),
+              ("accuracy (sampled; warm-up: teacher-forced tokens)",
+               _first_key(train, "accuracy", "reward/accuracy", "token_accuracy")),
               ("mean B_mem", _first_key(train, "budget/mean_B_mem", "budget/mean", "B_mem")),
               ("loss", _first_key(train, "loss"))]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)

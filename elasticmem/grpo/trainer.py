@@ -359,6 +359,12 @@ def train(cfg: Config) -> dict[str, Any]:
         sampler.epoch, sampler.offset = state["sampler"]["epoch"], state["sampler"]["offset"]
         if main:
             print(f"[train] resumed from {last} (step {state['step']})", file=sys.stderr)
+    elif t.init_from:
+        check_init(t.init_from, core)
+        with gathered(acc, trainable, modifier_rank=0):
+            core.load_weights(t.init_from)
+        if main:
+            print(f"[train] initialised from {t.init_from}", file=sys.stderr)
     metrics_path = out / "metrics.jsonl"
     if main:
         _truncate_jsonl(metrics_path, state["step"])
@@ -547,6 +553,24 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- helpers of the loop
+
+
+def check_init(path: str | Path, core) -> None:
+    """Refuse a ``train.init_from`` model of another backbone or another adapter, policy or projector shape."""
+    from elasticmem.model.elasticmem import CONFIG_FILE
+
+    f = Path(path) / CONFIG_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"train.init_from={path} is not a saved ElasticMem model ({CONFIG_FILE} missing)")
+    meta = json.loads(f.read_text())
+    if meta["backbone"]["fingerprint"] != core.fingerprint:
+        raise ConfigError(f"train.init_from={path} was trained on {meta['backbone']['name_or_path']!r}, "
+                          f"not on this backbone ({core.backbone_name!r})")
+    mine = dataclasses.asdict(core.cfg)
+    for part in ("lora", "policy", "projector"):
+        if meta["memory"][part] != mine[part]:
+            raise ConfigError(f"train.init_from={path} has memory.{part}={meta['memory'][part]}, "
+                              f"this run memory.{part}={mine[part]}")
 
 
 def _eval_examples(cfg: Config) -> list[Example]:

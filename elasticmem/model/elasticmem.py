@@ -467,6 +467,118 @@ class ElasticMem(nn.Module):
         """One deterministic trajectory per example: argmax control token and budgets, greedy answer."""
         return self._rollout(batch, 1, 1.0, greedy=True)
 
+    @torch.no_grad()
+    def teacher_forced(
+        self,
+        batch: Sequence[Example],
+        answers: Sequence[Sequence[int]],
+        include_rows: Sequence[set[int]] | None = None,
+        budgets: str = "policy",
+        generator: torch.Generator | None = None,
+    ) -> Trajectories:
+        """One trajectory per example whose answer is a given target, for supervised training.
+
+        Retrieval as in a greedy rollout (argmax control token); ``include_rows``: per example,
+        bank rows (its evidence) put among the retrieved memories in place of the lowest-ranked
+        others, then all ordered by their cosine to h as retrieval orders them (an example with
+        more such rows than Z keeps the Z best-scored). ``budgets``: 'policy' (the policy's
+        samples), 'max' (max_budget each) or 'uniform' (a uniform draw in 1..max_budget each).
+        ``answers``: target token ids (the end-of-turn token included where it should be
+        learnt). ``score`` of the result gives the target's log-probs with gradients
+        (``logp_answer`` here is 0: nothing was sampled).
+        """
+        if len(answers) != len(batch):
+            raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
+        prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True)
+        if include_rows is not None and rows.shape[1] > 0 and self.cfg.retrieval != "recent":
+            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
+        N, Z = rows.shape
+        if budgets == "policy":
+            bs = self._allocate(h.detach(), rows, scores, mask, greedy=False)
+            b, logp_b, ent_b = bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
+        elif budgets in ("max", "uniform"):
+            top = self.cfg.policy.max_budget
+            b = (torch.full((N, Z), top, dtype=torch.long) if budgets == "max"
+                 else torch.randint(1, top + 1, (N, Z), generator=generator))
+            b = torch.where(mask, b, torch.zeros_like(b))
+            logp_b = ent_b = torch.zeros(N, Z)
+        else:
+            raise ValueError(f"budgets must be 'policy', 'max' or 'uniform', got {budgets!r}")
+        _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
+        T = max(1, max(len(t) for t in answers))
+        answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
+        answer_mask = torch.zeros(N, T, dtype=torch.bool)
+        for i, t in enumerate(answers):
+            answer_ids[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+            answer_mask[i, : len(t)] = True
+        n_mem = (counts > 0).sum(-1)
+        task_tokens = torch.tensor([len(prompts[i]) + len(suffixes[i]) + (a[i] >= 0) for i in range(N)])
+        return Trajectories(
+            example_ids=[ex.id for ex in batch], query_index=torch.arange(N), prompt_ids=prompts,
+            suffix_ids=suffixes, groups=groups, control=a, rows=rows, scores=scores, mask=mask, budgets=b,
+            soft_counts=counts, answer_ids=answer_ids, answer_mask=answer_mask,
+            answers=[self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in answers],
+            logp_control=logp_a, logp_budget=logp_b, entropy_budget=ent_b, logp_answer=torch.zeros(N, T),
+            query_state=h.detach().cpu(), answer_temperature=1.0, control_temperature=1.0, greedy=False,
+            num_tokens=task_tokens + counts.sum(-1) + n_mem * len(self.sep_ids) + answer_mask.sum(-1),
+            memory_tokens=counts.sum(-1), budget_actions=self.cfg.injection == "latent",
+        )
+
+    def reconstruction_logps(
+        self, rows: torch.Tensor, budgets: torch.Tensor, prompt: Sequence[int], suffix: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of each chunk's own text after its soft tokens, read by the frozen LM (adapter off).
+
+        ``rows``: [n] bank rows; ``budgets``: [n] soft tokens each (>= 1). Each sequence is
+        ``prompt [soft tokens] sep suffix`` followed by the chunk's tokens and the end-of-text
+        token, the target (xRAG's first stage). Returns (log-probs [n, T], mask [n, T]), with
+        gradients to the projector only.
+        """
+        soft, _ = self._soft_tokens(rows.reshape(-1, 1).cpu(), budgets.reshape(-1, 1).cpu())
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
+        targets = [self._chunk_ids(int(r)) + [eos] for r in rows.reshape(-1).tolist()]
+        layouts = [Layout(list(prompt), None, soft[i], list(suffix), t) for i, t in enumerate(targets)]
+        x = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        with self._decoder(disable_adapter=True):
+            H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
+                                        position_ids=x.position_ids, use_cache=False)
+        T = max(len(t) for t in targets)
+        t_idx = torch.arange(T, device=H.device)
+        ar = torch.arange(len(targets), device=H.device)
+        pos = (x.answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
+        tgt = torch.zeros(len(targets), T, dtype=torch.long)
+        for i, t in enumerate(targets):
+            tgt[i, : len(t)] = torch.as_tensor(t)
+        logp = torch.log_softmax(self._logits(H[ar[:, None], pos]), -1).gather(-1, tgt.to(H.device)[..., None])
+        mask = t_idx[None, :] < torch.tensor([len(t) for t in targets], device=H.device)[:, None]
+        return torch.where(mask, logp.squeeze(-1), torch.zeros_like(logp.squeeze(-1))), mask
+
+    def _include(self, h, rows, scores, mask, include: Sequence[set[int]]):
+        """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by score."""
+        N, Z = rows.shape
+        hn = torch.nn.functional.normalize(h.float().cpu(), dim=-1)
+        out_r, out_s = rows.clone(), scores.clone()
+        for i in range(N):
+            want = sorted(include[i])
+            if not want:
+                continue
+            kept = {r for r in rows[i].tolist() if r >= 0 and r not in include[i]}
+            keys = torch.nn.functional.normalize(self.bank.gather_keys(torch.as_tensor(want)).float(), dim=-1)
+            want_s = (keys @ hn[i]).tolist()
+            if self.mapped_index is not None or self.semantic is not None:
+                # another score space: rank the evidence first rather than mix incomparable scores
+                want_s = [float(scores[i, 0]) + 1.0] * len(want)
+            pairs = sorted(zip(want_s, want), reverse=True)[:Z]
+            size = min(Z, max(int(mask[i].sum()), len(pairs)))
+            keep = [(float(s), r) for s, r in zip(scores[i].tolist(), rows[i].tolist()) if r in kept]
+            keep = keep[: size - len(pairs)]
+            merged = sorted(pairs + keep, reverse=True)
+            out_r[i] = -1
+            out_s[i] = 0.0
+            for j, (sc, r) in enumerate(merged):
+                out_r[i, j], out_s[i, j] = r, sc
+        return out_r, out_s, out_r >= 0
+
     def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool) -> Trajectories:
         if not batch:
             raise ValueError("empty batch")

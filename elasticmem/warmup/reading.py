@@ -1,0 +1,304 @@
+"""Supervised reading warm-up before GRPO (``warmup.*``; a departure from the paper).
+
+A small reasoner does not read its memories at initialisation: SmolLM2-135M-Instruct with the
+gold evidence pasted in as text answers the synthetic persona questions no better than without
+it, and almost always with the same letter. GRPO then sees few right answers and nothing that
+separates reading from guessing. This stage teaches reading by teacher forcing: for each
+training question, the model's own retrieval (plus the evidence chunks, where the data records
+them: ``warmup.evidence``) gives memories, they are injected as in a rollout (soft tokens at
+``warmup.budgets``, or text under ``memory.injection=text``), and the adapter and the
+projector are trained on ``-log p("(b)" + end of turn)`` of the gold option. The budget policy
+is not trained here (GRPO trains it); an optional auxiliary retrieval loss
+(``warmup.retrieval_weight``) trains the query state.
+
+    python -m elasticmem.warmup.reading --config configs/quickstart.yaml [key=value ...]
+    python train.py --config configs/quickstart.yaml train.init_from=runs/warmup/quickstart/final
+
+The run folder (``warmup.output_dir``) gets config.yaml, metrics.jsonl (one line per step:
+loss, teacher-forced token accuracy, evidence recall of the retrieval before evidence is
+added, learning rate) and final/ (a saved model: ``eval.checkpoint`` and ``train.init_from``
+read it), written atomically; ``eval.json`` holds the greedy accuracy on ``warmup.eval_split``
+with its 95 % interval. One process; a finished run (final/ present) is not repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from elasticmem.config import Config, ConfigError
+from elasticmem.data.schema import Example
+
+
+def option_target(tokenizer, eos_ids: Sequence[int], example: Example, max_new_tokens: int,
+                  target: str = "letter") -> list[int]:
+    """Token ids of the gold answer as the reward parses it.
+
+    'letter': "(b)" then the end-of-turn token, else "b" then it, whichever first fits in
+    ``max_new_tokens``; else "b" cut to fit (no end). 'value_letter': "amber (b)" then the
+    end-of-turn token; ValueError when that does not fit."""
+    from elasticmem.grpo.rewards import mc_letter_reward
+
+    letter = chr(ord("a") + example.answer_index)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]
+    if target == "value_letter":
+        text = f"{example.choices[example.answer_index]} ({letter})"
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + 1 > max_new_tokens or mc_letter_reward(tokenizer.decode(ids), example) != 1.0:
+            raise ValueError(f"warmup.target=value_letter: {text!r} takes {len(ids) + 1} tokens with the end of "
+                             f"turn (example {example.id}); raise memory.max_new_tokens to at least that")
+        return ids + [eos]
+    if target != "letter":
+        raise ValueError(f"target must be 'letter' or 'value_letter', got {target!r}")
+    for text in (f"({letter})", letter):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + 1 <= max_new_tokens and mc_letter_reward(tokenizer.decode(ids), example) == 1.0:
+            return ids + [eos]
+    return tokenizer(letter, add_special_tokens=False)["input_ids"][:max_new_tokens]
+
+
+def lr_lambda(warmup_steps: int, total: int, min_ratio: float = 0.1):
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def curriculum_z(start: int | None, top_z: int, step: int, steps: int) -> int:
+    """Z at answer step ``step`` (1-based) of ``steps``: ``start`` growing linearly to ``top_z``."""
+    if start is None or top_z == 0:
+        return top_z
+    start = min(start, top_z)
+    return start + round((top_z - start) * (step - 1) / max(1, steps - 1))
+
+
+def supervised_loss(logp_answer: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the target tokens.
+
+    ``logp_answer``: [N, T] log-probs of the target tokens (0 where ``answer_mask`` is False);
+    ``answer_mask``: [N, T] bool. Every target token of the batch weighs the same."""
+    mask = answer_mask.to(logp_answer.device)
+    return -(logp_answer * mask).sum() / mask.sum().clamp(min=1)
+
+
+def warmup(cfg: Config) -> dict[str, Any]:
+    """Run the reading warm-up as configured; returns the last step's metrics and the evaluation."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import Bank, build_index
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.validate import validate_examples
+    from elasticmem.eval.retrieval import evidence_rows
+    from elasticmem.grpo.loss import retrieval_loss
+    from elasticmem.grpo.rewards import get_reward
+    from elasticmem.grpo.trainer import _RetrievalTargets, greedy_eval
+    from elasticmem.model.elasticmem import ElasticMem
+    from elasticmem.utils.configuration import save as save_config
+
+    w = cfg.warmup
+    out = Path(w.output_dir)
+    if (out / "final").is_dir():
+        print(f"[warmup] {out}/final exists: nothing to do (delete the folder to run again)", file=sys.stderr)
+        return json.loads((out / "eval.json").read_text()) if (out / "eval.json").is_file() else {}
+    if w.retrieval_weight > 0 and cfg.memory.retrieval not in ("control", "query_only"):
+        raise ConfigError(f"warmup.retrieval_weight > 0 trains the reasoner's query state: it needs "
+                          f"memory.retrieval control or query_only, not {cfg.memory.retrieval!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    set_seed(cfg.seed)
+    backbone = load_backbone(cfg.model)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    mem_cfg = cfg.memory if cfg.train.use_memory else _no_memory(cfg.memory)
+    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
+    if w.init_from:
+        from elasticmem.grpo.trainer import check_init
+
+        check_init(w.init_from, model)
+        model.load_weights(w.init_from)
+    examples = load_split(cfg.data.dir, w.split)
+    eval_examples = load_split(cfg.data.dir, w.eval_split) if w.eval_split else []
+    if w.eval_limit:
+        eval_examples = eval_examples[: w.eval_limit]
+    for split, exs in [(w.split, examples)] + ([(w.eval_split, eval_examples)] if eval_examples else []):
+        validate_examples(exs, bank, reward=cfg.train.reward, chunking=cfg.chunking, top_z=mem_cfg.top_z,
+                          split_name=f"{cfg.data.dir}/{split}.jsonl")
+    evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 else {}
+    if w.retrieval_weight > 0 and not any(evidence.values()):
+        raise ConfigError(f"warmup.retrieval_weight > 0 needs examples with evidence; "
+                          f"{cfg.data.dir}/{w.split}.jsonl records none")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    last: dict[str, Any] = {}
+    if w.reconstruct_steps and mem_cfg.top_z and mem_cfg.injection == "latent":
+        groups = sorted({ex.group for ex in examples})
+        chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
+        last = _reconstruct(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
+    # the adapter and the projector read; the policy is GRPO's to train
+    params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("policy.")]
+    optimizer = torch.optim.AdamW(params, lr=w.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.steps))
+    try:
+        targets = {ex.id: option_target(model.tokenizer, model.eos_ids, ex, mem_cfg.max_new_tokens, w.target)
+                   for ex in examples}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    order: list[int] = []
+    for step in tqdm(range(1, w.steps + 1), desc="warm-up (answers)", unit="step", file=sys.stderr):
+        if len(order) < w.batch_size:  # epochs of a seeded permutation
+            order += torch.randperm(len(examples), generator=gen).tolist()
+        batch = [examples[i] for i in order[: w.batch_size]]
+        del order[: w.batch_size]
+        t0 = time.perf_counter()
+        model.eval()  # retrieval and budgets as a rollout makes them
+        model.cfg = dataclasses.replace(mem_cfg, top_z=curriculum_z(w.top_z_start, mem_cfg.top_z, step, w.steps))
+        include = [evidence.get(ex.id, set()) for ex in batch] if w.evidence and evidence else None
+        traj = model.teacher_forced(batch, [targets[ex.id] for ex in batch], include, w.budgets, gen)
+        recall = _recall_before(model, traj, batch, evidence) if evidence else None
+        model.train()
+        o = model.score(traj)
+        loss = supervised_loss(o.logp_answer, traj.answer_mask)
+        m: dict[str, Any] = {"step": w.reconstruct_steps + step, "stage": "answer", "top_z": model.cfg.top_z,
+                             "loss/answer": float(loss.detach())}
+        if w.retrieval_weight > 0:
+            aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
+            r_loss, _ = retrieval_loss(o.query_state, *aux.select(list(range(len(traj))), model.device),
+                                       cfg.train.loss.retrieval_temperature, aux.count)
+            loss = loss + w.retrieval_weight * r_loss
+            m["loss/retrieval"] = float(r_loss.detach())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        m.update({"loss": float(loss.detach()), "token_accuracy": _token_accuracy(o.logp_answer, traj.answer_mask),
+                  "exact": _exact(o.logp_answer, traj.answer_mask),
+                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                  "memory_tokens": float(traj.memory_tokens.float().mean()), "time/step": time.perf_counter() - t0})
+        if recall is not None:
+            m["retrieval/evidence_recall"] = recall
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        last = m
+    model.eval()
+    model.cfg = mem_cfg
+    tmp = out / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tmp.rename(out / "final")
+    result: dict[str, Any] = {"last_step": last}
+    if eval_examples:
+        result["eval"] = greedy_eval(model, eval_examples, get_reward(cfg.train.reward), cfg.train.eval_batch_size)
+        result["eval"]["split"] = w.eval_split
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: Path,
+                 max_grad_norm: float) -> dict[str, Any]:
+    """xRAG's first stage: the projector alone learns soft tokens the frozen LM can read back."""
+    from tqdm.auto import tqdm
+
+    tok = model.tokenizer
+    prompt = tok(w.reconstruct_prompt, add_special_tokens=False)["input_ids"]
+    suffix = tok(w.reconstruct_suffix, add_special_tokens=False)["input_ids"]
+    params = list(model.projector.parameters())
+    optimizer = torch.optim.AdamW(params, lr=w.reconstruct_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.reconstruct_steps))
+    top = model.cfg.policy.max_budget
+    order: list[int] = []
+    m: dict[str, Any] = {}
+    model.train()
+    for step in tqdm(range(1, w.reconstruct_steps + 1), desc="warm-up (reconstruction)", unit="step",
+                     file=sys.stderr):
+        if len(order) < w.reconstruct_batch_size:
+            order += [chunk_rows[i] for i in torch.randperm(len(chunk_rows), generator=gen).tolist()]
+        rows = torch.as_tensor(order[: w.reconstruct_batch_size])
+        del order[: w.reconstruct_batch_size]
+        budgets = (torch.full(rows.shape, top) if w.budgets == "max"
+                   else torch.randint(1, top + 1, rows.shape, generator=gen))
+        t0 = time.perf_counter()
+        logp, mask = model.reconstruction_logps(rows, budgets, prompt, suffix)
+        loss = supervised_loss(logp, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        m = {"step": step, "stage": "reconstruct", "loss/reconstruct": float(loss.detach()), "loss": float(loss.detach()),
+             "token_accuracy": _token_accuracy(logp.detach(), mask), "grad_norm": float(grad_norm),
+             "lr": scheduler.get_last_lr()[0], "memory_tokens": float(budgets.float().mean()),
+             "time/step": time.perf_counter() - t0}
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+    return m
+
+
+def _no_memory(mem):
+    return dataclasses.replace(mem, top_z=0)
+
+
+class _OneProcess:
+    """The slice of an Accelerator that ``_RetrievalTargets`` reads, for this one-process stage."""
+
+    num_processes = 1
+    device = torch.device("cpu")
+
+
+def _token_accuracy(logp_answer: torch.Tensor, answer_mask: torch.Tensor) -> float:
+    """Fraction of target tokens with log-prob above log(1/2): certainly the argmax."""
+    mask = answer_mask.to(logp_answer.device)
+    return float(((logp_answer > math.log(0.5)) & mask).sum() / mask.sum().clamp(min=1))
+
+
+def _exact(logp_answer: torch.Tensor, answer_mask: torch.Tensor) -> float:
+    """Fraction of examples whose every target token has log-prob above log(1/2): greedy
+    decoding would say the target (the training accuracy of teacher forcing)."""
+    mask = answer_mask.to(logp_answer.device)
+    return float((((logp_answer > math.log(0.5)) | ~mask).all(-1)).float().mean())
+
+
+def _recall_before(model, traj, batch: Sequence[Example], evidence: dict[str, set[int]]) -> float | None:
+    """Fraction of questions with evidence whose retrieval (before evidence was added) found any."""
+    from elasticmem.eval.retrieval import recall_at_k
+
+    rows, _ = model.retrieve(batch)
+    if rows.shape[1] == 0:
+        return None
+    r = recall_at_k(rows, [evidence.get(ex.id, set()) for ex in batch], [rows.shape[1]])
+    return r.get(f"recall_any@{rows.shape[1]}") if r["n"] else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elasticmem.bank import BankError
+    from elasticmem.data.schema import SchemaError
+    from elasticmem.utils.configuration import parse_cli, print_config
+
+    cfg, _ = parse_cli(Config, argv, prog="python -m elasticmem.warmup.reading", description=__doc__)
+    print_config(cfg, file=sys.stderr)
+    try:
+        result = warmup(cfg)
+    except (ConfigError, SchemaError, BankError, FileNotFoundError) as e:
+        print(f"warmup: error: {e}", file=sys.stderr)
+        return 2
+    ev = result.get("eval", {})
+    print(f"warmup: {cfg.warmup.output_dir}: " + json.dumps(
+        {k: ev.get(k) for k in ("split", "accuracy", "accuracy_ci95", "num_examples", "avg_memory_tokens")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The supervised reading warm-up's pieces: teacher-forced trajectories, reconstruction, init_from.
+
+    pytest tests/unit/test_warmup_reading.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_elasticmem import make_model, tiny_backbone
+
+from elasticmem.bank import Bank, build_bank
+from elasticmem.config import BankConfig, ChunkingConfig, ConfigError, WarmupConfig
+from elasticmem.data.synthetic import SyntheticConfig, generate
+from elasticmem.eval.retrieval import evidence_rows
+from elasticmem.warmup.reading import curriculum_z, lr_lambda, option_target, supervised_loss
+
+
+@pytest.fixture(scope="module")
+def bank(tmp_path_factory):
+    """(bank, examples) of the tiny synthetic task: 8 histories of 6 one-turn memories."""
+    data = generate(SyntheticConfig(variant="tiny", num_histories=8, num_facts=6, num_options=4), seed=0)
+    examples = [ex for split in data.values() for ex in split]
+    out = tmp_path_factory.mktemp("bank")
+    build_bank({"all": examples}, tiny_backbone(), ChunkingConfig(max_tokens=32),
+               BankConfig(dir=str(out), n_cache=6, shard_rows=16), torch.float32, show_progress=False)
+    return Bank.open(out), examples
+
+
+def _targets(model, batch):
+    return [option_target(model.tokenizer, model.eos_ids, ex, 4) for ex in batch]
+
+
+def test_teacher_forced_log_probs_equal_one_plain_forward_over_the_tokens(bank):
+    """Text injection makes every input a token: the scored target log-probs must equal a plain
+    forward of the reasoner over prompt + a + (chunk + separator)* + suffix + target."""
+    bank, examples = bank
+    model = make_model(bank, injection="text", retrieval="control")
+    batch = examples[:4]
+    traj = model.teacher_forced(batch, _targets(model, batch))
+    out = model.score(traj)
+    for i, ex in enumerate(batch):
+        ids = list(traj.prompt_ids[i]) + [int(traj.control[i])]
+        for r in traj.rows[i][traj.mask[i]].tolist():
+            ids += model.tokenizer(bank.chunk(r)["text"], add_special_tokens=False)["input_ids"] + model.sep_ids
+        ids += list(traj.suffix_ids[i])
+        target = _targets(model, [ex])[0]
+        logits = model.lm(input_ids=torch.tensor([ids + target])).logits[0].float()
+        ref = torch.log_softmax(logits[len(ids) - 1 : len(ids) - 1 + len(target)], -1)
+        ref = ref.gather(1, torch.tensor(target)[:, None]).squeeze(1)
+        n = len(target)
+        assert traj.answer_mask[i].sum() == n
+        torch.testing.assert_close(out.logp_answer[i, :n], ref, atol=1e-5, rtol=1e-5)
+        assert (out.logp_answer[i, n:] == 0).all()
+    loss = supervised_loss(out.logp_answer, traj.answer_mask)
+    torch.testing.assert_close(loss, -out.logp_answer.sum() / traj.answer_mask.sum())
+
+
+def test_option_target_parses_back_to_the_gold_letter(bank):
+    from elasticmem.grpo.rewards import mc_letter_reward
+
+    bank, examples = bank
+    model = make_model(bank)
+    for ex in examples[:6]:
+        for limit in (1, 2, 3, 8):
+            ids = option_target(model.tokenizer, model.eos_ids, ex, limit)
+            assert 1 <= len(ids) <= limit
+            assert (ids[-1] in model.eos_ids) == (limit > 1)
+            assert mc_letter_reward(model.tokenizer.decode(ids), ex) == 1.0
+        ids = option_target(model.tokenizer, model.eos_ids, ex, 32, "value_letter")
+        text = model.tokenizer.decode(ids[:-1])
+        assert ids[-1] in model.eos_ids and mc_letter_reward(text, ex) == 1.0
+        assert text.replace(" ", "").startswith(ex.choices[ex.answer_index].replace(" ", ""))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            option_target(model.tokenizer, model.eos_ids, ex, 2, "value_letter")
+
+
+def test_evidence_rows_are_put_among_the_retrieved_ones_in_score_order(bank):
+    bank, examples = bank
+    model = make_model(bank, retrieval="control", top_z=2)
+    batch = [ex for ex in examples if evidence_rows(ex, bank)][:8]
+    plain = model.teacher_forced(batch, _targets(model, batch))
+    include = [evidence_rows(ex, bank) for ex in batch]
+    forced = model.teacher_forced(batch, _targets(model, batch), include_rows=include)
+    h = torch.nn.functional.normalize(forced.query_state.float(), dim=-1)
+    missing = 0
+    for i in range(len(batch)):
+        rows = forced.rows[i][forced.mask[i]].tolist()
+        assert include[i] <= set(rows), (include[i], rows)
+        assert len(rows) == int(plain.mask[i].sum()) == len(set(rows))
+        keys = torch.nn.functional.normalize(bank.gather_keys(torch.tensor(rows)).float(), dim=-1)
+        torch.testing.assert_close(forced.scores[i][forced.mask[i]], keys @ h[i], atol=1e-5, rtol=0)
+        assert forced.scores[i][forced.mask[i]].diff().le(1e-6).all(), "ordered by score"
+        kept = set(rows) - include[i]  # the others are the best-ranked of the plain retrieval
+        assert kept == set(plain.rows[i].tolist()[: len(kept)]) or kept <= set(plain.rows[i].tolist())
+        missing += not include[i] <= set(plain.rows[i].tolist())
+    assert missing > 0, "the test needs questions whose retrieval missed the evidence"
+
+
+def test_budget_modes(bank):
+    bank, examples = bank
+    model = make_model(bank, policy={"max_budget": 5})
+    batch = examples[:6]
+    top = model.teacher_forced(batch, _targets(model, batch), budgets="max")
+    assert (top.budgets[top.mask] == 5).all() and (top.budgets[~top.mask] == 0).all()
+    uni = model.teacher_forced(batch, _targets(model, batch), budgets="uniform",
+                               generator=torch.Generator().manual_seed(0))
+    b = uni.budgets[uni.mask]
+    assert b.min() >= 1 and b.max() <= 5 and b.unique().numel() > 1
+    assert torch.equal(uni.soft_counts, torch.minimum(uni.budgets, uni.soft_counts.clamp(min=0)))
+    pol = model.teacher_forced(batch, _targets(model, batch), budgets="policy")
+    torch.testing.assert_close(model.score(pol).logp_budget, pol.logp_budget, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="budgets"):
+        model.teacher_forced(batch, _targets(model, batch), budgets="all")
+    with pytest.raises(ValueError, match="answers"):
+        model.teacher_forced(batch, _targets(model, batch)[:2])
+
+
+def test_reconstruction_reads_with_the_adapter_off_and_trains_only_the_projector(bank):
+    bank, _ = bank
+    model = make_model(bank)
+    rows, budgets = torch.tensor([0, 3, 5, 7]), torch.tensor([1, 4, 8, 2])
+    prompt = model.tokenizer("Background:", add_special_tokens=False)["input_ids"]
+    suffix = model.tokenizer(" means", add_special_tokens=False)["input_ids"]
+    logp, mask = model.reconstruction_logps(rows, budgets, prompt, suffix)
+    for i, r in enumerate(rows.tolist()):  # batched equals one at a time
+        one, m1 = model.reconstruction_logps(rows[i : i + 1], budgets[i : i + 1], prompt, suffix)
+        n = int(m1.sum())
+        assert n == int(mask[i].sum()) == len(model.tokenizer(bank.chunk(r)["text"], add_special_tokens=False)
+                                               ["input_ids"]) + 1
+        torch.testing.assert_close(one[0, :n], logp[i, :n], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the adapter is off: changing it changes nothing
+        for n_, p in model.lm.named_parameters():
+            if "lora_" in n_:
+                p.add_(1.0)
+    again, _ = model.reconstruction_logps(rows, budgets, prompt, suffix)
+    torch.testing.assert_close(again, logp, atol=1e-5, rtol=1e-5)
+    model.zero_grad()
+    supervised_loss(again, mask).backward()
+    grads = {n_.split(".")[0] for n_, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == {"projector"}
+
+
+def test_curriculum_on_z_grows_linearly_from_start_to_top_z():
+    assert [curriculum_z(2, 8, s, 7) for s in range(1, 8)] == [2, 3, 4, 5, 6, 7, 8]
+    assert [curriculum_z(None, 8, s, 5) for s in range(1, 6)] == [8] * 5
+    assert curriculum_z(10, 4, 1, 5) == 4 and curriculum_z(3, 0, 1, 5) == 0
+    assert curriculum_z(2, 8, 1, 1) == 2
+    zs = [curriculum_z(1, 20, s, 100) for s in range(1, 101)]
+    assert zs[0] == 1 and zs[-1] == 20 and all(a <= b for a, b in zip(zs, zs[1:]))
+
+
+def test_lr_schedule_and_config_checks():
+    f = lr_lambda(2, 10, 0.1)
+    assert [round(f(s), 6) for s in (0, 1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)
+    assert all(0.1 - 1e-9 <= f(s) <= 1 for s in range(12))
+    with pytest.raises(ValueError, match="budgets"):
+        WarmupConfig(budgets="all")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        WarmupConfig(steps=0, reconstruct_steps=0)
+    assert math.isclose(WarmupConfig(steps=0, reconstruct_steps=3).reconstruct_lr, 1e-3)
+    with pytest.raises(ValueError, match="top_z_start"):
+        WarmupConfig(top_z_start=0)
+
+
+def test_init_from_refuses_another_shape(bank, tmp_path):
+    from elasticmem.grpo.trainer import check_init
+
+    bank, _ = bank
+    model = make_model(bank)
+    model.save_pretrained(tmp_path / "m")
+    check_init(tmp_path / "m", model)  # the same: accepted
+    other = make_model(bank, policy={"max_budget": 5})
+    with pytest.raises(ConfigError, match="memory.policy"):
+        check_init(tmp_path / "m", other)
+    meta = json.loads((tmp_path / "m/elasticmem_config.json").read_text())
+    meta["backbone"]["fingerprint"] = "sha256:other"
+    (tmp_path / "m/elasticmem_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="trained on"):
+        check_init(tmp_path / "m", model)
+    with pytest.raises(FileNotFoundError):
+        check_init(tmp_path / "nothing", model)

@@ -542,16 +542,12 @@ class ElasticMem(nn.Module):
         with self._decoder(disable_adapter=True):
             H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
                                         position_ids=x.position_ids, use_cache=False)
-        T = max(len(t) for t in targets)
-        t_idx = torch.arange(T, device=H.device)
-        ar = torch.arange(len(targets), device=H.device)
-        pos = (x.answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
-        tgt = torch.zeros(len(targets), T, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in targets])
+        tgt = torch.zeros(len(targets), int(lengths.max()), dtype=torch.long)
         for i, t in enumerate(targets):
             tgt[i, : len(t)] = torch.as_tensor(t)
-        logp = torch.log_softmax(self._logits(H[ar[:, None], pos]), -1).gather(-1, tgt.to(H.device)[..., None])
-        mask = t_idx[None, :] < torch.tensor([len(t) for t in targets], device=H.device)[:, None]
-        return torch.where(mask, logp.squeeze(-1), torch.zeros_like(logp.squeeze(-1))), mask
+        mask = torch.arange(tgt.shape[1])[None, :] < lengths[:, None]
+        return self._target_logps(H, x.answer_start, tgt, lengths), mask.to(H.device)
 
     def _include(self, h, rows, scores, mask, include: Sequence[set[int]]):
         """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by score."""
@@ -721,17 +717,23 @@ class ElasticMem(nn.Module):
         if self.cfg.detach_policy_inputs:
             h = h.detach()
         logp_b, ent_b = self._allocate(h, traj.rows, traj.scores, traj.mask, traj.greedy, traj.budgets)
-        T = traj.answer_ids.shape[1]
-        n_ans = traj.answer_mask.sum(-1).to(device)
-        # answer token t sits at answer_start + t and is predicted from the position before it
-        t_idx = torch.arange(T, device=device)
-        pos = (x.answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
-        logits = self._logits(H[ar[:, None], pos]) / traj.answer_temperature  # [N, T, V]
-        tgt = traj.answer_ids.to(device)
-        logp_ans = torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
-        valid = t_idx[None, :] < n_ans[:, None]
-        logp_ans = torch.where(valid, logp_ans, torch.zeros_like(logp_ans))
+        logp_ans = self._target_logps(H, x.answer_start, traj.answer_ids, traj.answer_mask.sum(-1),
+                                      traj.answer_temperature)
         return ScoreOutput(logp_control, logp_b, ent_b, logp_ans, h_query)
+
+    def _target_logps(self, H: torch.Tensor, answer_start: torch.Tensor, targets: torch.Tensor,
+                      lengths: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """[N, T] log-probs of the right-aligned target tokens ``targets`` [N, T] at ``temperature``
+        (0 at t >= lengths[i]); ``H`` [N, L, d] final states, ``answer_start`` [N] (assemble's)."""
+        N, T = targets.shape
+        device = H.device
+        # target token t sits at answer_start + t and is predicted from the position before it
+        t_idx = torch.arange(T, device=device)
+        pos = (answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
+        logits = self._logits(H[torch.arange(N, device=device)[:, None], pos]) / temperature  # [N, T, V]
+        logp = torch.log_softmax(logits, -1).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+        valid = t_idx[None, :] < lengths.to(device)[:, None]
+        return torch.where(valid, logp, torch.zeros_like(logp))
 
     # ------------------------------------------------------------------ persistence
 

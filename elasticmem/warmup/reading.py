@@ -121,7 +121,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     set_seed(cfg.seed)
     backbone = load_backbone(cfg.model)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-    mem_cfg = cfg.memory if cfg.train.use_memory else _no_memory(cfg.memory)
+    mem_cfg = cfg.memory if cfg.train.use_memory else dataclasses.replace(cfg.memory, top_z=0)
     model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
     if w.init_from:
         from elasticmem.grpo.trainer import check_init
@@ -245,10 +245,6 @@ def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
     return m
-
-
-def _no_memory(mem):
-    return dataclasses.replace(mem, top_z=0)
 
 
 class _OneProcess:

@@ -451,7 +451,7 @@ class WarmupConfig:
     split: str = "train"
     """Split the supervised examples are drawn from."""
     steps: int = 100
-    """Optimizer steps on the answers (after any reconstruction steps); 0 = none."""
+    """Optimizer steps on the answers (after any alignment and reconstruction steps); 0 = none."""
     batch_size: int = 8
     """Examples per step."""
     lr: float = 5.0e-4
@@ -483,6 +483,18 @@ class WarmupConfig:
     init_from: str | None = None
     """A saved model to start from (e.g. a reconstruction-only warm-up: steps=0), as
     train.init_from; null = fresh adapter and projector."""
+    align_steps: int = 0
+    """Steps of token alignment before anything else (0 = none; latent injection): the projector
+    alone learns to map each cached state of the training split's chunks to the input embedding
+    of the token at that state's position (squared L2 distance), so that a memory's soft tokens
+    start as a close copy of its last tokens' embeddings, which the LM reads as it reads text.
+    No LM forward: a step costs one projector pass. The final-layer states keep their own token
+    well enough for this (SmolLM2: nearest embedding = own token for ~0.74 of held-out states).
+    A departure from the paper; see README "Training recipe" for its measured effect."""
+    align_batch_size: int = 64
+    """Chunks per alignment step (all their cached states)."""
+    align_lr: float = 1.0e-3
+    """Learning rate of the projector in the alignment steps (same schedule shape)."""
     reconstruct_steps: int = 0
     """Steps of xRAG's first stage before the answer steps (0 = none): the projector alone is
     trained so that the frozen LM (adapter off) reproduces a chunk's text from that chunk's soft
@@ -506,7 +518,10 @@ class WarmupConfig:
                  "reconstruct_steps must be >= 0, reconstruct_batch_size >= 1 and reconstruct_lr > 0")
         _require(self.steps >= 0 and self.batch_size >= 1, f"steps must be >= 0 and batch_size >= 1, got "
                  f"{self.steps} and {self.batch_size}")
-        _require(self.steps + self.reconstruct_steps >= 1, "warmup.steps + warmup.reconstruct_steps must be >= 1")
+        _require(self.align_steps >= 0 and self.align_batch_size >= 1 and self.align_lr > 0,
+                 "align_steps must be >= 0, align_batch_size >= 1 and align_lr > 0")
+        _require(self.steps + self.reconstruct_steps + self.align_steps >= 1,
+                 "warmup.steps + warmup.reconstruct_steps + warmup.align_steps must be >= 1")
         _require(self.lr > 0 and self.warmup_steps >= 0, "lr must be > 0 and warmup_steps >= 0")
         _require(self.target in ("letter", "value_letter"),
                  f"target must be 'letter' or 'value_letter', got {self.target!r}")

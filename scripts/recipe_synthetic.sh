@@ -14,6 +14,7 @@
 #   text          the same recipe with memory.injection=text (text memory + GRPO control)
 #   grpo_only     GRPO alone, as long as the recipe's GRPO stage                 (ablation)
 #   letter        the warm-up teaching "(b)" instead of "amber (b)"               (ablation)
+#   no_align      the warm-up without its token-alignment steps                   (ablation)
 #   reconstruct   60 reconstruction steps (xRAG stage 1) before the warm-up      (candidate)
 # plus, at evaluation, the recipe's warm-up alone (no GRPO; ablation) and the untrained
 # reasoner without memory. Output: $RUN/eval/comparison.md (accuracy, n, 95 % interval, #Tok,
@@ -23,7 +24,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
 CONFIG=${CONFIG:-configs/persona_recipe.yaml}
 RUN=${RUN:-runs/recipe}
-ARMS=${ARMS:-elasticmem no_memory text grpo_only letter reconstruct}
+ARMS=${ARMS:-elasticmem no_memory text grpo_only letter no_align reconstruct}
 python -m elasticmem.backbone fetch smollm2
 python -m elasticmem.data.prepare synthetic --config "$CONFIG" "$@"
 python build_bank.py --config "$CONFIG" "$@"
@@ -32,6 +33,7 @@ arm_args() {  # the config overrides of one arm
   case "$1" in
     elasticmem|grpo_only) ;;
     letter) echo "warmup.target=letter" ;;
+    no_align) echo "warmup.align_steps=0" ;;
     reconstruct) echo "warmup.reconstruct_steps=60" ;;
     no_memory) echo "train.use_memory=false warmup.retrieval_weight=0 train.loss.retrieval_weight=0 train.memory_token_cost=0" ;;
     text) echo "memory.injection=text" ;;

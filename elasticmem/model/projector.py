@@ -88,6 +88,23 @@ class Projector(nn.Module):
         compute = states if weight is None else states.to(weight.dtype)
         return self.net(compute).to(states.dtype)
 
+    @torch.no_grad()
+    def match_embedding_scale(self, embed: Tensor) -> bool:
+        """Set the output LayerNorm's affine to the per-dimension std and mean of ``embed``
+        [V, d] (the LM's input embeddings) if it still has its default init (weight 1, bias 0).
+
+        A LayerNorm with unit weight emits vectors of norm ~sqrt(d), far from the LM's own
+        embeddings (SmolLM2: rows of norm ~3 with per-dimension std ~0.1, against 24): soft
+        tokens then start out of the distribution the LM reads. Returns whether it changed.
+        """
+        ln = self.net[-1] if isinstance(self.net, nn.Sequential) else None
+        if not isinstance(ln, nn.LayerNorm) or not (bool((ln.weight == 1).all()) and bool((ln.bias == 0).all())):
+            return False
+        e = embed.detach().to(ln.weight.device, torch.float32)
+        ln.weight.copy_(e.std(0))
+        ln.bias.copy_(e.mean(0))
+        return True
+
 
 def select_last_valid(cache: Tensor, cache_len: Tensor, budgets: Tensor) -> tuple[Tensor, Tensor]:
     """The last ``min(budget_i, cache_len_i)`` valid states of each memory, concatenated.

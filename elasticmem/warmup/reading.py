@@ -9,7 +9,9 @@ them: ``warmup.evidence``) gives memories, they are injected as in a rollout (so
 ``warmup.budgets``, or text under ``memory.injection=text``), and the adapter and the
 projector are trained on ``-log p("(b)" + end of turn)`` of the gold option. The budget policy
 is not trained here (GRPO trains it); an optional auxiliary retrieval loss
-(``warmup.retrieval_weight``) trains the query state.
+(``warmup.retrieval_weight``) trains the query state. Two optional projector-only stages run
+first: token alignment (``warmup.align_steps``: each cached state is mapped to its own token's
+input embedding, no LM forward) and xRAG's reconstruction (``warmup.reconstruct_steps``).
 
     python -m elasticmem.warmup.reading --config configs/quickstart.yaml [key=value ...]
     python train.py --config configs/quickstart.yaml train.init_from=runs/warmup/quickstart/final
@@ -143,9 +145,12 @@ def warmup(cfg: Config) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
     last: dict[str, Any] = {}
-    if w.reconstruct_steps and mem_cfg.top_z and mem_cfg.injection == "latent":
-        groups = sorted({ex.group for ex in examples})
-        chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
+    groups = sorted({ex.group for ex in examples})
+    chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
+    latent = bool(mem_cfg.top_z) and mem_cfg.injection == "latent"
+    if w.align_steps and latent:
+        last = _align(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
+    if w.reconstruct_steps and latent:
         last = _reconstruct(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
     # the adapter and the projector read; the policy is GRPO's to train
     params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("policy.")]
@@ -171,8 +176,8 @@ def warmup(cfg: Config) -> dict[str, Any]:
         model.train()
         o = model.score(traj)
         loss = supervised_loss(o.logp_answer, traj.answer_mask)
-        m: dict[str, Any] = {"step": w.reconstruct_steps + step, "stage": "answer", "top_z": model.cfg.top_z,
-                             "loss/answer": float(loss.detach())}
+        m: dict[str, Any] = {"step": w.align_steps + w.reconstruct_steps + step, "stage": "answer",
+                             "top_z": model.cfg.top_z, "loss/answer": float(loss.detach())}
         if w.retrieval_weight > 0:
             aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
             r_loss, _ = retrieval_loss(o.query_state, *aux.select(list(range(len(traj))), model.device),
@@ -207,6 +212,73 @@ def warmup(cfg: Config) -> dict[str, Any]:
     return result
 
 
+def cached_token_ids(bank, tokenizer, rows: Sequence[int]) -> list[list[int]]:
+    """Per bank row, the ids of the tokens whose states its content cache holds (oldest first).
+
+    The chunk text is tokenized as the bank builder tokenized it (the manifest's settings), and
+    the last ``cache_len`` ids are the cached positions.
+    """
+    from elasticmem.data.chunking import tokenize_chunks
+
+    if not rows:
+        return []
+    t = bank.manifest["tokenization"]
+    ids = tokenize_chunks([bank.chunk(r)["text"] for r in rows], tokenizer, t["max_tokens"],
+                          t["truncation_side"], t["add_special_tokens"])
+    _, cache_len = bank.gather(torch.as_tensor(list(rows), dtype=torch.long))
+    return [x[len(x) - int(c):] for x, c in zip(ids, cache_len.tolist())]
+
+
+def alignment_loss(soft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared L2 distance between soft tokens [S, d] and token embeddings [S, d]."""
+    return (soft - target).pow(2).sum(-1).mean()
+
+
+def _align(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: Path,
+           max_grad_norm: float) -> dict[str, Any]:
+    """Token alignment: the projector maps each cached state to its own token's input embedding."""
+    from tqdm.auto import tqdm
+
+    from elasticmem.model.projector import select_last_valid
+
+    embed = model.base.get_input_embeddings().weight.detach()
+    model.projector.match_embedding_scale(embed)  # a fresh projector starts at the embeddings' scale
+    params = list(model.projector.parameters())
+    optimizer = torch.optim.AdamW(params, lr=w.align_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.align_steps))
+    token_ids: dict[int, list[int]] = {}
+    order: list[int] = []
+    m: dict[str, Any] = {}
+    model.train()
+    for step in tqdm(range(1, w.align_steps + 1), desc="warm-up (token alignment)", unit="step", file=sys.stderr):
+        if len(order) < w.align_batch_size:
+            order += [chunk_rows[i] for i in torch.randperm(len(chunk_rows), generator=gen).tolist()]
+        rows = order[: w.align_batch_size]
+        del order[: w.align_batch_size]
+        t0 = time.perf_counter()
+        todo = [r for r in rows if r not in token_ids]
+        token_ids.update(zip(todo, cached_token_ids(model.bank, model.tokenizer, todo)))
+        cache, cache_len = model.bank.gather(torch.as_tensor(rows))
+        states, _ = select_last_valid(cache, cache_len, cache_len.long())
+        targets = torch.as_tensor([t for r in rows for t in token_ids[r]], device=embed.device)
+        soft = model.projector(states.to(model.device, torch.float32))
+        loss = alignment_loss(soft, embed[targets].float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        with torch.no_grad():  # on a slice: the [S, V] similarities of a whole batch cost more than the step
+            sl = slice(0, 256)
+            own = float(((soft[sl].detach() @ embed.T.float()).argmax(-1) == targets[sl]).float().mean())
+        m = {"step": step, "stage": "align", "loss/align": float(loss.detach()), "loss": float(loss.detach()),
+             "token_accuracy": own, "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+             "memory_tokens": float(len(targets)) / len(rows), "time/step": time.perf_counter() - t0}
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+    return m
+
+
 def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: Path,
                  max_grad_norm: float) -> dict[str, Any]:
     """xRAG's first stage: the projector alone learns soft tokens the frozen LM can read back."""
@@ -238,7 +310,8 @@ def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
-        m = {"step": step, "stage": "reconstruct", "loss/reconstruct": float(loss.detach()), "loss": float(loss.detach()),
+        m = {"step": w.align_steps + step, "stage": "reconstruct", "loss/reconstruct": float(loss.detach()),
+             "loss": float(loss.detach()),
              "token_accuracy": _token_accuracy(logp.detach(), mask), "grad_norm": float(grad_norm),
              "lr": scheduler.get_last_lr()[0], "memory_tokens": float(budgets.float().mean()),
              "time/step": time.perf_counter() - t0}

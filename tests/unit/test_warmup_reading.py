@@ -184,3 +184,57 @@ def test_init_from_refuses_another_shape(bank, tmp_path):
         check_init(tmp_path / "m", model)
     with pytest.raises(FileNotFoundError):
         check_init(tmp_path / "nothing", model)
+
+
+def test_cached_token_ids_are_the_tokens_at_the_cached_positions(bank):
+    """The ids must be those whose final-layer states the bank cached: recomputed from a plain
+    forward of the frozen base over the chunk as tokenized for the bank."""
+    from elasticmem.warmup.reading import cached_token_ids
+
+    bank, _ = bank
+    model = make_model(bank)
+    rows = [0, 2, 5, 9]
+    ids = cached_token_ids(bank, model.tokenizer, rows)
+    cache, cache_len = bank.gather(torch.tensor(rows))
+    for i, r in enumerate(rows):
+        full = model.tokenizer(bank.chunk(r)["text"], add_special_tokens=True, truncation=True,
+                               max_length=32)["input_ids"]
+        c = int(cache_len[i])
+        assert ids[i] == full[len(full) - c:] and len(ids[i]) == c
+        with torch.no_grad(), model.lm.disable_adapter():
+            h = model.lm(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(cache[i, cache.shape[1] - c:].float(), h[-c:].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_token_alignment_moves_soft_tokens_to_their_token_embeddings_and_trains_only_the_projector(bank, tmp_path):
+    from elasticmem.model.projector import select_last_valid
+    from elasticmem.warmup.reading import _align, alignment_loss, cached_token_ids
+
+    bank, _ = bank
+    model = make_model(bank)
+    rows = list(range(len(bank)))
+    embed = model.base.get_input_embeddings().weight.detach()
+    targets = embed[torch.tensor([t for x in cached_token_ids(bank, model.tokenizer, rows) for t in x])]
+    cache, cache_len = bank.gather(torch.tensor(rows))
+    states, _ = select_last_valid(cache, cache_len, cache_len.long())
+
+    def dist() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(alignment_loss(model.projector(states.float()), targets))
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fresh = dist()
+    assert model.projector.match_embedding_scale(embed) and not model.projector.match_embedding_scale(embed)
+    start = dist()
+    assert start < fresh
+    w = WarmupConfig(align_steps=40, align_batch_size=8, align_lr=3e-3, warmup_steps=2)
+    last = _align(model, w, rows, torch.Generator().manual_seed(0), tmp_path / "m.jsonl", 1.0)
+    assert dist() < 0.5 * start
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 41)) and {x["stage"] for x in lines} == {"align"}
+    assert last == lines[-1] and lines[-1]["loss/align"] < lines[0]["loss/align"]
+    changed = {n.split(".")[0] for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"projector"}
+    with pytest.raises(ValueError, match="align_steps"):
+        WarmupConfig(align_steps=-1)

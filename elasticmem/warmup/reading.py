@@ -234,6 +234,12 @@ def alignment_loss(soft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (soft - target).pow(2).sum(-1).mean()
 
 
+def _require_projector_parameters(model, key: str) -> None:
+    if not any(True for _ in model.projector.parameters()):
+        raise ConfigError(f"warmup.{key} trains the projector, and memory.projector.variant="
+                          f"{model.projector.cfg.variant} has no parameters: set warmup.{key}=0")
+
+
 def _align(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: Path,
            max_grad_norm: float) -> dict[str, Any]:
     """Token alignment: the projector maps each cached state to its own token's input embedding."""
@@ -241,6 +247,7 @@ def _align(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: 
 
     from elasticmem.model.projector import select_last_valid
 
+    _require_projector_parameters(model, "align_steps")
     embed = model.base.get_input_embeddings().weight.detach()
     model.projector.match_embedding_scale(embed)  # a fresh projector starts at the embeddings' scale
     params = list(model.projector.parameters())
@@ -287,6 +294,7 @@ def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_
     tok = model.tokenizer
     prompt = tok(w.reconstruct_prompt, add_special_tokens=False)["input_ids"]
     suffix = tok(w.reconstruct_suffix, add_special_tokens=False)["input_ids"]
+    _require_projector_parameters(model, "reconstruct_steps")
     params = list(model.projector.parameters())
     optimizer = torch.optim.AdamW(params, lr=w.reconstruct_lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.reconstruct_steps))

@@ -207,7 +207,7 @@ def test_cached_token_ids_are_the_tokens_at_the_cached_positions(bank):
 
 
 def test_token_alignment_moves_soft_tokens_to_their_token_embeddings_and_trains_only_the_projector(bank, tmp_path):
-    from elasticmem.model.projector import select_last_valid
+    from elasticmem.model.projector import ProjectorConfig, select_last_valid
     from elasticmem.warmup.reading import _align, alignment_loss, cached_token_ids
 
     bank, _ = bank
@@ -238,3 +238,6 @@ def test_token_alignment_moves_soft_tokens_to_their_token_embeddings_and_trains_
     assert changed == {"projector"}
     with pytest.raises(ValueError, match="align_steps"):
         WarmupConfig(align_steps=-1)
+    identity = make_model(bank, projector=ProjectorConfig(variant="identity"))
+    with pytest.raises(ConfigError, match="no parameters"):
+        _align(identity, w, rows, torch.Generator(), tmp_path / "i", 1.0)

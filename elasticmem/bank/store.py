@@ -210,6 +210,10 @@ class Bank:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         return self._gather_rows("cache", rows), self._gather_rows("cache_len", rows)
 
+    def cache_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+        """Valid cache lengths [R] int32 of ``rows``, without reading their caches."""
+        return self._gather_rows("cache_len", rows)
+
     def gather_keys(self, rows: torch.Tensor) -> torch.Tensor:
         """Keys of rows of any shape [...] -> [..., d]; row -1 (a missing search result) gives zeros."""
         rows = torch.as_tensor(rows, dtype=torch.long)

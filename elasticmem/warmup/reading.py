@@ -225,7 +225,7 @@ def cached_token_ids(bank, tokenizer, rows: Sequence[int]) -> list[list[int]]:
     t = bank.manifest["tokenization"]
     ids = tokenize_chunks([bank.chunk(r)["text"] for r in rows], tokenizer, t["max_tokens"],
                           t["truncation_side"], t["add_special_tokens"])
-    _, cache_len = bank.gather(torch.as_tensor(list(rows), dtype=torch.long))
+    cache_len = bank.cache_lengths(torch.as_tensor(list(rows), dtype=torch.long))
     return [x[len(x) - int(c):] for x, c in zip(ids, cache_len.tolist())]
 
 
@@ -235,7 +235,7 @@ def alignment_loss(soft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _require_projector_parameters(model, key: str) -> None:
-    if not any(True for _ in model.projector.parameters()):
+    if next(model.projector.parameters(), None) is None:
         raise ConfigError(f"warmup.{key} trains the projector, and memory.projector.variant="
                           f"{model.projector.cfg.variant} has no parameters: set warmup.{key}=0")
 
@@ -253,7 +253,7 @@ def _align(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: 
     params = list(model.projector.parameters())
     optimizer = torch.optim.AdamW(params, lr=w.align_lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.align_steps))
-    token_ids: dict[int, list[int]] = {}
+    token_ids = dict(zip(chunk_rows, cached_token_ids(model.bank, model.tokenizer, chunk_rows)))
     order: list[int] = []
     m: dict[str, Any] = {}
     model.train()
@@ -263,8 +263,6 @@ def _align(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_path: 
         rows = order[: w.align_batch_size]
         del order[: w.align_batch_size]
         t0 = time.perf_counter()
-        todo = [r for r in rows if r not in token_ids]
-        token_ids.update(zip(todo, cached_token_ids(model.bank, model.tokenizer, todo)))
         cache, cache_len = model.bank.gather(torch.as_tensor(rows))
         states, _ = select_last_valid(cache, cache_len, cache_len.long())
         targets = torch.as_tensor([t for r in rows for t in token_ids[r]], device=embed.device)

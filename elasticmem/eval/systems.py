@@ -14,6 +14,7 @@ A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -34,7 +35,12 @@ SYSTEM_MEMORY: dict[str, list[str]] = {
 
 def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
     """The memory settings of ``cfg.eval.system``: the checkpoint's (else ``cfg.memory``), then
-    the system's preset, then the ``memory.*`` entries of ``overrides`` (command line, variant)."""
+    the ``memory.*`` entries of ``overrides`` (command line, variant), then the system's preset.
+
+    The preset's keys define the system (no_memory's ``top_z=0``, text_rag's
+    ``injection=text``), so an override of one of them is ignored with a warning: a
+    ``memory.top_z=4`` given for ElasticMem on the command line of a comparison must not turn
+    its no-memory variant into a memory system."""
     base = cfg.memory
     if cfg.eval.checkpoint:
         meta_path = Path(cfg.eval.checkpoint) / "elasticmem_config.json"
@@ -42,8 +48,14 @@ def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
             raise FileNotFoundError(f"{cfg.eval.checkpoint} is not a saved ElasticMem model "
                                     f"({meta_path.name} missing); give train.output_dir/final or a checkpoint folder")
         base = from_dict(MemoryConfig, json.loads(meta_path.read_text())["memory"])
+    preset = SYSTEM_MEMORY[cfg.eval.system]
+    pinned = {p.split("=", 1)[0] for p in preset}
     mine = [o.removeprefix("memory.") for o in overrides if o.startswith("memory.")]
-    return load(MemoryConfig, None, SYSTEM_MEMORY[cfg.eval.system] + mine, base=base)
+    ignored = [o for o in mine if o.split("=", 1)[0].strip() in pinned]
+    if ignored:
+        warnings.warn(f"eval.system={cfg.eval.system} sets {', '.join(preset)}; ignoring "
+                      f"{', '.join('memory.' + o for o in ignored)}", stacklevel=2)
+    return load(MemoryConfig, None, [o for o in mine if o not in ignored] + preset, base=base)
 
 
 CHECKPOINT_WEIGHTS = ("adapter/adapter_model.safetensors", "budget_policy.safetensors", "projector.safetensors")

@@ -102,21 +102,26 @@ def test_cli_bad_key_exits_with_message(capsys):
 
 
 def test_system_memory_settings_layer_checkpoint_preset_and_overrides(tmp_path):
-    """eval.system presets apply on top of the checkpoint's (or config's) memory settings, and
-    memory.* overrides of the command line or a variant apply last."""
+    """memory.* overrides of the command line or a variant apply on top of the checkpoint's (or
+    config's) memory settings, and the eval.system preset last: an override of a key the preset
+    sets is ignored with a warning (a comparison's memory.top_z must not give no_memory memories)."""
     import json
 
     from elasticmem.eval.systems import memory_config
 
-    cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=no_memory"])
-    assert memory_config(cfg, []).top_z == 0
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=no_memory", "memory.top_z=3"])
+    assert cfg.memory.top_z == 3
+    with pytest.warns(UserWarning, match="ignoring memory.top_z=3"):
+        m = memory_config(cfg, ["memory.top_z=3", "memory.max_new_tokens=2"])
+    assert (m.top_z, m.max_new_tokens) == (0, 2)
     cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=text_rag"])
     m = memory_config(cfg, ["memory.top_z=3", "train.lr=1"])
     assert (m.injection, m.top_z, m.retrieval) == ("text", 3, cfg.memory.retrieval)
     saved = dataclasses.asdict(dataclasses.replace(cfg.memory, top_z=7, separator="|"))
     (tmp_path / "elasticmem_config.json").write_text(json.dumps({"memory": saved}))
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"eval.checkpoint={tmp_path}", "eval.system=full_context"])
-    m = memory_config(cfg, ["memory.policy.clip_budget=2"])
+    with pytest.warns(UserWarning, match="ignoring memory.retrieval=frozen"):
+        m = memory_config(cfg, ["memory.policy.clip_budget=2", "memory.retrieval=frozen"])
     assert m.separator == "|" and m.retrieval == "recent" and m.injection == "text"
     assert m.policy.clip_budget == 2
     with pytest.raises(FileNotFoundError, match="not a saved ElasticMem model"):

@@ -38,7 +38,6 @@ def evidence_answers(run: str | Path, split: str, limit: int, batch_size: int = 
     from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.grpo.rewards import mc_letter_reward
     from elasticmem.model.elasticmem import ElasticMem
-    from elasticmem.model.injection import Layout, assemble
 
     run = Path(run)
     cfg = load_config(str(run / "config.yaml"))
@@ -54,15 +53,8 @@ def evidence_answers(run: str | Path, split: str, limit: int, batch_size: int = 
     out: dict[str, dict] = {}
     for s in tqdm(range(0, len(examples), batch_size), desc=f"evidence reading ({run.name})", file=sys.stderr):
         batch = examples[s : s + batch_size]
-        prompts, suffixes = zip(*[model.encode_texts(ex) for ex in batch])
-        a, _, _ = model._query_states(list(prompts), [ex.question for ex in batch], 1, True)
-        rows = torch.tensor([[rows_of[ex.id][-1]] for ex in batch])
-        soft, _ = model._soft_tokens(rows, torch.full_like(rows, cfg.memory.policy.max_budget))
-        layouts = [Layout(prompts[i], None if a[i] < 0 else int(a[i]), soft[i], suffixes[i], [])
-                   for i in range(len(batch))]
-        ids, mask, _ = model._generate(assemble(model.base.get_input_embeddings(), layouts, model.sep_ids), 1.0, True)
-        for ex, t, m in zip(batch, ids, mask):
-            answer = model.tokenizer.decode(t[m], skip_special_tokens=True).strip()
+        traj = model.greedy(batch, include_rows=[{rows_of[ex.id][-1]} for ex in batch], budgets="max")
+        for ex, answer in zip(batch, traj.answers):
             out[ex.id] = {"correct": mc_letter_reward(answer, ex) == 1.0,
                           "names_value": ex.choices[ex.answer_index].lower() in answer.lower(), "answer": answer}
     return out

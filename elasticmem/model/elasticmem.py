@@ -385,6 +385,21 @@ class ElasticMem(nn.Module):
             return self.policy.sample(*args, greedy=greedy)
         return self.policy.log_prob(*args, budgets.to(self.device))
 
+    def _budgets(self, mode: str, h, rows, scores, mask, greedy: bool, generator: torch.Generator | None = None):
+        """Budgets [N, Z], their log-probs and entropies: 'policy' (the policy's, argmax if
+        ``greedy``), 'max' (max_budget each) or 'uniform' (a draw in 1..max_budget each)."""
+        if mode == "policy":
+            bs = self._allocate(h, rows, scores, mask, greedy)
+            return bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
+        if mode not in ("max", "uniform"):
+            raise ValueError(f"budgets must be 'policy', 'max' or 'uniform', got {mode!r}")
+        N, Z = rows.shape
+        top = self.cfg.policy.max_budget
+        b = (torch.full((N, Z), top, dtype=torch.long) if mode == "max"
+             else torch.randint(1, top + 1, (N, Z), generator=generator))
+        zeros = torch.zeros(N, Z)
+        return torch.where(mask, b, torch.zeros_like(b)), zeros, zeros
+
     def _policy_inputs(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         keys = self.semantic.gather_keys(rows) if self.semantic is not None else self.bank.gather_keys(rows)
         return keys.to(self.device)
@@ -463,9 +478,13 @@ class ElasticMem(nn.Module):
         return self._rollout(batch, group_size, temperature, greedy=False)
 
     @torch.no_grad()
-    def greedy(self, batch: Sequence[Example]) -> Trajectories:
-        """One deterministic trajectory per example: argmax control token and budgets, greedy answer."""
-        return self._rollout(batch, 1, 1.0, greedy=True)
+    def greedy(self, batch: Sequence[Example], include_rows: Sequence[set[int]] | None = None,
+               budgets: str = "policy") -> Trajectories:
+        """One deterministic trajectory per example: argmax control token and budgets, greedy answer.
+
+        ``include_rows`` and ``budgets`` ('max': max_budget each) as in ``teacher_forced``: to
+        measure reading apart from retrieval and budgets (benchmarks/evidence_reading.py)."""
+        return self._rollout(batch, 1, 1.0, greedy=True, include_rows=include_rows, budgets=budgets)
 
     @torch.no_grad()
     def teacher_forced(
@@ -493,17 +512,7 @@ class ElasticMem(nn.Module):
         if include_rows is not None and rows.shape[1] > 0 and self.cfg.retrieval != "recent":
             rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
         N, Z = rows.shape
-        if budgets == "policy":
-            bs = self._allocate(h.detach(), rows, scores, mask, greedy=False)
-            b, logp_b, ent_b = bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
-        elif budgets in ("max", "uniform"):
-            top = self.cfg.policy.max_budget
-            b = (torch.full((N, Z), top, dtype=torch.long) if budgets == "max"
-                 else torch.randint(1, top + 1, (N, Z), generator=generator))
-            b = torch.where(mask, b, torch.zeros_like(b))
-            logp_b = ent_b = torch.zeros(N, Z)
-        else:
-            raise ValueError(f"budgets must be 'policy', 'max' or 'uniform', got {budgets!r}")
+        b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator)
         _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
         T = max(1, max(len(t) for t in answers))
         answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -575,17 +584,19 @@ class ElasticMem(nn.Module):
                 out_r[i, j], out_s[i, j] = r, sc
         return out_r, out_s, out_r >= 0
 
-    def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool) -> Trajectories:
+    def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool,
+                 include_rows: Sequence[set[int]] | None = None, budgets: str = "policy") -> Trajectories:
         if not batch:
             raise ValueError("empty batch")
         if G < 1 or temperature <= 0:
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
         t0 = time.perf_counter()
         prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
+        if include_rows is not None and rows.shape[1] > 0 and self.cfg.retrieval != "recent":
+            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
         t1 = time.perf_counter()
         h_pol = h.detach() if self.cfg.detach_policy_inputs else h
-        bs = self._allocate(h_pol, rows, scores, mask, greedy)
-        budgets = bs.budgets.cpu()
+        budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy)
         t2 = time.perf_counter()
         soft, counts = self._soft_tokens(rows, budgets)
         N = len(groups)
@@ -615,8 +626,8 @@ class ElasticMem(nn.Module):
             answers=[self.tokenizer.decode(ids[m], skip_special_tokens=True).strip()
                      for ids, m in zip(answer_ids, answer_mask & ~self._is_eos(answer_ids))],
             logp_control=logp_a,
-            logp_budget=bs.log_prob.cpu(),
-            entropy_budget=bs.entropy.cpu(),
+            logp_budget=logp_b,
+            entropy_budget=ent_b,
             logp_answer=logp_ans,
             query_state=h.detach().cpu(),
             answer_temperature=1.0 if greedy else temperature,

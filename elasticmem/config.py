@@ -159,6 +159,11 @@ class BankConfig:
     embeddings, -1 = the final layer after the norm)."""
     key_template: str = 'This sentence : "{text}" means in one word:"'
     """The text key='prompt' encodes; {text} becomes the chunk."""
+    content_layer: int = -1
+    """Which layer's states the content cache holds, as an index of HF ``hidden_states`` (0 = input
+    embeddings, -1 = the final layer after the norm: the paper). A departure for small reasoners:
+    a middle layer's states keep more of their own tokens than the final layer's, which are shaped
+    to predict the next token (README "Training recipe" has the measurement). Keys are unaffected."""
 
 
 @dataclass
@@ -512,8 +517,18 @@ class WarmupConfig:
     """Split for the greedy evaluation at the end ('' = none)."""
     eval_limit: int = 0
     """Evaluate on at most this many examples (0 = all)."""
+    save_every: int = 10
+    """Write a checkpoint (``output_dir``/checkpoints, the newest kept) every this many answer
+    steps, and once when the projector-only stages end; an interrupted warm-up run again with
+    the same settings resumes from it and ends as an uninterrupted one would. 0 = only at the
+    end of those stages and on Ctrl-C / SIGTERM."""
+    stop_after_steps: int = 0
+    """Stop this invocation after this many answer steps, with a checkpoint, so that the next one
+    resumes (job time limits); 0 = run to the end."""
 
     def __post_init__(self) -> None:
+        _require(self.save_every >= 0 and self.stop_after_steps >= 0,
+                 "save_every and stop_after_steps must be >= 0")
         _require(self.reconstruct_steps >= 0 and self.reconstruct_batch_size >= 1 and self.reconstruct_lr > 0,
                  "reconstruct_steps must be >= 0, reconstruct_batch_size >= 1 and reconstruct_lr > 0")
         _require(self.steps >= 0 and self.batch_size >= 1, f"steps must be >= 0 and batch_size >= 1, got "

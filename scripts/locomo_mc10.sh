@@ -4,8 +4,8 @@
 # RAG with the frozen reasoner's states and with MiniLM, and the full context (the latest
 # history that fits memory.recent_max_tokens), on the 314 questions of the 2 test conversations.
 # Hours on 2 CPU cores. Resumable: run it again after an interruption; the data and the bank are
-# reused, a finished warm-up is skipped, GRPO resumes from its last checkpoint and the
-# evaluation from its predictions.
+# reused, the warm-up and GRPO resume from their last checkpoints and the evaluation from its
+# predictions.
 #
 #   LOCOMO=PATH/locomo10.json bash scripts/locomo_mc10.sh [key=value ...]
 #

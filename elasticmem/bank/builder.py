@@ -3,6 +3,8 @@
 For chunk i with final-layer states ``H_i`` [L_i, d] (``hidden_states[-1]``):
 ``key_i = H_i[L_i-1] / ||H_i[L_i-1]||`` and ``cache_i = H_i[max(0, L_i-N_c):]``,
 stored right-aligned in an [N_c, d] slot with ``cache_len_i = min(L_i, N_c)``.
+``bank.content_layer`` (a departure; manifest ``content_layer``, absent = -1) takes the cache
+from another layer's states ``hidden_states[l]`` instead; the key stays as above.
 
 Key variants (``bank.key``; departures from the paper, whose key is ``last``; the content
 cache is always the paper's, from the plain chunk encoding): ``mean`` = mean of all
@@ -158,6 +160,7 @@ def prompt_key_ids(tokenizer, texts: Sequence[str], token_ids: Sequence[Sequence
 def encode_batch(
     decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], n_cache: int, pad_id: int,
     key: dict[str, Any] | None = None, key_ids: Sequence[Sequence[int]] | None = None,
+    content_layer: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys and content caches of a batch of chunks.
 
@@ -167,6 +170,8 @@ def encode_batch(
         token_ids: B lists of token ids, lengths L_i >= 1.
         key: the key variant (``key_spec``); None = the paper's ``last``.
         key_ids: for ``prompt`` keys, the B wrapped sequences (``prompt_key_ids``).
+        content_layer: the ``hidden_states`` index the cache takes its states from (-1 = the
+            final layer, the paper; ``bank.content_layer``).
     Returns:
         keys [B, d] float32 L2-normalised; cache [B, n_cache, d] in the model dtype,
         valid states right-aligned, zeros elsewhere; cache_len [B] int32.
@@ -174,9 +179,10 @@ def encode_batch(
     key = key or PAPER_KEY
     device = next(decoder.parameters()).device
     ids, mask, lengths = _right_pad(token_ids, pad_id, device)
-    every = key["variant"] == "layer_mean"
+    every = key["variant"] == "layer_mean" or content_layer != -1
     out = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=every)
     H = out.last_hidden_state  # [B, L, d]
+    C = H if content_layer == -1 else out.hidden_states[content_layer]
     if key["variant"] == "prompt":
         if key_ids is None or len(key_ids) != len(token_ids):
             raise ValueError("prompt keys need the wrapped token ids of every chunk (key_ids)")
@@ -185,7 +191,7 @@ def encode_batch(
         keys = pool_key(out.hidden_states if every else (H,), lengths, key)
     pos = lengths[:, None] - n_cache + torch.arange(n_cache, device=device)[None, :]  # [B, n_cache]
     valid = pos >= 0
-    cache = torch.gather(H, 1, pos.clamp(min=0)[:, :, None].expand(-1, -1, H.shape[-1]))
+    cache = torch.gather(C, 1, pos.clamp(min=0)[:, :, None].expand(-1, -1, C.shape[-1]))
     cache = cache * valid[:, :, None].to(cache.dtype)
     cache_len = lengths.clamp(max=n_cache).to(torch.int32)
     return keys, cache, cache_len
@@ -290,6 +296,9 @@ def make_plan(
     if key != PAPER_KEY:
         h.update(json.dumps(key, sort_keys=True).encode())
     header["key"] = key
+    if bank_cfg.content_layer != -1:  # absent = the paper's final layer, as in banks built before
+        header["content_layer"] = int(bank_cfg.content_layer)
+        h.update(json.dumps({"content_layer": header["content_layer"]}).encode())
     key_ids = None
     if key["variant"] == "prompt":
         key_ids = prompt_key_ids(tokenizer, [c.text for c in chunks], token_ids, key["template"],
@@ -328,9 +337,10 @@ def encode_shard(
     progress: Callable[[int], None] | None = None,
     key: dict[str, Any] | None = None,
     key_ids: Sequence[Sequence[int]] | None = None,
+    content_layer: int = -1,
 ) -> dict[str, torch.Tensor]:
     """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``
-    (``key``, ``key_ids``: as in ``encode_batch``, for the shard's rows)."""
+    (``key``, ``key_ids``, ``content_layer``: as in ``encode_batch``, for the shard's rows)."""
     n = len(token_ids)
     d = decoder.config.hidden_size
     keys = torch.empty(n, d, dtype=torch.float32)
@@ -341,7 +351,7 @@ def encode_shard(
         for a in range(0, n, batch_size):
             idx = order[a : a + batch_size]
             k, c, cl = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id, key,
-                                    None if key_ids is None else [key_ids[i] for i in idx])
+                                    None if key_ids is None else [key_ids[i] for i in idx], content_layer)
             c = c.to(cache_dtype)
             if not torch.isfinite(c).all():
                 raise FloatingPointError(
@@ -467,11 +477,12 @@ def build_bank(
         "fingerprint": backbone.fingerprint,
         "dtype": str(next(backbone.model.parameters()).dtype).removeprefix("torch."),
     }
-    if bank_cfg.key == "layer_mean":
-        n = backbone.model.config.num_hidden_layers  # hidden_states holds n + 1 entries
-        bad = [x for x in bank_cfg.key_layers if not -(n + 1) <= int(x) <= n]
+    n = backbone.model.config.num_hidden_layers  # hidden_states holds n + 1 entries
+    for name, layers in (("key_layers", bank_cfg.key_layers if bank_cfg.key == "layer_mean" else []),
+                         ("content_layer", [bank_cfg.content_layer])):
+        bad = [x for x in layers if not -(n + 1) <= int(x) <= n]
         if bad:
-            raise ValueError(f"bank.key_layers {bad} out of range for {backbone.name_or_path} ({n} layers: "
+            raise ValueError(f"bank.{name} {bad} out of range for {backbone.name_or_path} ({n} layers: "
                              f"hidden_states indices 0..{n}, or negative from the end)")
     plan = make_plan(
         examples_by_split, backbone.tokenizer, chunking, bank_cfg, encoder,
@@ -504,6 +515,7 @@ def build_bank(
             decoder, plan.token_ids[a:b], bank_cfg.n_cache, bank_cfg.batch_size,
             backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update, key=plan.header["key"],
             key_ids=None if plan.key_ids is None else plan.key_ids[a:b],
+            content_layer=plan.header.get("content_layer", -1),
         )
         _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()

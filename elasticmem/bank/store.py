@@ -135,6 +135,12 @@ class Bank:
         return int(self.manifest["n_cache"])
 
     @property
+    def content_layer(self) -> int:
+        """The ``hidden_states`` index the content cache was taken from (-1 = the final layer,
+        the paper; banks built before the field existed hold it)."""
+        return int(self.manifest.get("content_layer", -1))
+
+    @property
     def fingerprint(self) -> str:
         return self.manifest["encoder"]["fingerprint"]
 

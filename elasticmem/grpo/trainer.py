@@ -289,11 +289,15 @@ def resumable_checkpoint(cfg: Config, ckroot: Path) -> Path | None:
     if saved_path.is_file():
         changed = config_changes(load(Config, saved_path), cfg)
         if changed:
-            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
-            raise ConfigError(f"{ckroot.parent} holds a run with other settings ({shown} differ from {saved_path}); "
-                              f"resuming would mix two runs: choose another train.output_dir, or rerun with the "
-                              f"saved settings to continue it")
+            raise mixed_runs_error(ckroot.parent, saved_path, changed, "train.output_dir")
     return last
+
+
+def mixed_runs_error(run: Path, saved: Path, changed: list[str], key: str) -> ConfigError:
+    """The error for resuming ``run`` (whose settings are in ``saved``) with ``changed`` keys."""
+    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    return ConfigError(f"{run} holds a run with other settings ({shown} differ from {saved}); resuming would "
+                       f"mix two runs: choose another {key}, or rerun with the saved settings to continue it")
 
 
 # --------------------------------------------------------------------------- the loop

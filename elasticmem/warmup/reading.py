@@ -20,7 +20,10 @@ The run folder (``warmup.output_dir``) gets config.yaml, metrics.jsonl (one line
 loss, teacher-forced token accuracy, evidence recall of the retrieval before evidence is
 added, learning rate) and final/ (a saved model: ``eval.checkpoint`` and ``train.init_from``
 read it), written atomically; ``eval.json`` holds the greedy accuracy on ``warmup.eval_split``
-with its 95 % interval. One process; a finished run (final/ present) is not repeated.
+with its 95 % interval. One process; a finished run (final/ present) is not repeated. An
+interrupted one resumes: ``checkpoints/`` keeps the newest state (every ``warmup.save_every``
+answer steps, at the end of the projector-only stages, and on Ctrl-C / SIGTERM), and the same
+command continues from it, ending as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def supervised_loss(logp_answer: torch.Tensor, answer_mask: torch.Tensor) -> tor
 def warmup(cfg: Config) -> dict[str, Any]:
     """Run the reading warm-up as configured; returns the last step's metrics and the evaluation."""
     from accelerate.utils import set_seed
+    from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
     from elasticmem.backbone import load_backbone
@@ -106,8 +110,9 @@ def warmup(cfg: Config) -> dict[str, Any]:
     from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.grpo.loss import retrieval_loss
     from elasticmem.grpo.rewards import get_reward
-    from elasticmem.grpo.trainer import _RetrievalTargets, greedy_eval
+    from elasticmem.grpo.trainer import _RetrievalTargets, _StopFlag, _truncate_jsonl, greedy_eval
     from elasticmem.model.elasticmem import ElasticMem
+    from elasticmem.utils import checkpointing as ckpt
     from elasticmem.utils.configuration import save as save_config
 
     w = cfg.warmup
@@ -118,6 +123,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     if w.retrieval_weight > 0 and cfg.memory.retrieval not in ("control", "query_only"):
         raise ConfigError(f"warmup.retrieval_weight > 0 trains the reasoner's query state: it needs "
                           f"memory.retrieval control or query_only, not {cfg.memory.retrieval!r}")
+    resume = _resumable(cfg, out)  # before anything is written: refuses to mix two runs
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     set_seed(cfg.seed)
@@ -141,75 +147,144 @@ def warmup(cfg: Config) -> dict[str, Any]:
     if w.retrieval_weight > 0 and not any(evidence.values()):
         raise ConfigError(f"warmup.retrieval_weight > 0 needs examples with evidence; "
                           f"{cfg.data.dir}/{w.split}.jsonl records none")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
-    last: dict[str, Any] = {}
-    groups = sorted({ex.group for ex in examples})
-    chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
-    latent = bool(mem_cfg.top_z) and mem_cfg.injection == "latent"
-    if w.align_steps and latent:
-        last = _align(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
-    if w.reconstruct_steps and latent:
-        last = _reconstruct(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
-    # the adapter and the projector read; the policy is GRPO's to train
-    params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("policy.")]
-    optimizer = torch.optim.AdamW(params, lr=w.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.steps))
     try:
         targets = {ex.id: option_target(model.tokenizer, model.eos_ids, ex, mem_cfg.max_new_tokens, w.target)
                    for ex in examples}
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    order: list[int] = []
-    for step in tqdm(range(1, w.steps + 1), desc="warm-up (answers)", unit="step", file=sys.stderr):
-        if len(order) < w.batch_size:  # epochs of a seeded permutation
-            order += torch.randperm(len(examples), generator=gen).tolist()
-        batch = [examples[i] for i in order[: w.batch_size]]
-        del order[: w.batch_size]
-        t0 = time.perf_counter()
-        model.eval()  # retrieval and budgets as a rollout makes them
-        model.cfg = dataclasses.replace(mem_cfg, top_z=curriculum_z(w.top_z_start, mem_cfg.top_z, step, w.steps))
-        include = [evidence.get(ex.id, set()) for ex in batch] if w.evidence and evidence else None
-        traj = model.teacher_forced(batch, [targets[ex.id] for ex in batch], include, w.budgets, gen)
-        recall = _recall_before(model, traj, batch, evidence) if evidence else None
-        model.train()
-        o = model.score(traj)
-        loss = supervised_loss(o.logp_answer, traj.answer_mask)
-        m: dict[str, Any] = {"step": w.align_steps + w.reconstruct_steps + step, "stage": "answer",
-                             "top_z": model.cfg.top_z, "loss/answer": float(loss.detach())}
-        if w.retrieval_weight > 0:
-            aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
-            r_loss, _ = retrieval_loss(o.query_state, *aux.select(list(range(len(traj))), model.device),
-                                       cfg.train.loss.retrieval_temperature, aux.count)
-            loss = loss + w.retrieval_weight * r_loss
-            m["loss/retrieval"] = float(r_loss.detach())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        m.update({"loss": float(loss.detach()), "token_accuracy": _token_accuracy(o.logp_answer, traj.answer_mask),
-                  "exact": _exact(o.logp_answer, traj.answer_mask),
-                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                  "memory_tokens": float(traj.memory_tokens.float().mean()), "time/step": time.perf_counter() - t0})
-        if recall is not None:
-            m["retrieval/evidence_recall"] = recall
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
-        last = m
+    gen = torch.Generator().manual_seed(cfg.seed)
+    metrics_path = out / "metrics.jsonl"
+    last: dict[str, Any] = {}
+    pre = w.align_steps + w.reconstruct_steps  # global step numbers of the answer steps start after these
+    if resume is None:
+        metrics_path.unlink(missing_ok=True)
+        groups = sorted({ex.group for ex in examples})
+        chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
+        latent = bool(mem_cfg.top_z) and mem_cfg.injection == "latent"
+        if w.align_steps and latent:
+            last = _align(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
+        if w.reconstruct_steps and latent:
+            last = _reconstruct(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
+    else:
+        model.load_weights(resume)
+    # the adapter and the projector read; the policy is GRPO's to train
+    params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("policy.")]
+    optimizer = torch.optim.AdamW(params, lr=w.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.steps))
+    state: dict[str, Any] = {"answer_step": 0, "order": []}
+    if resume is not None:
+        state = ckpt.read_trainer_state(resume, optimizer, scheduler)
+        gen.set_state(load_file(str(resume / "generator.safetensors"))["state"])
+        ckpt.load_rng(resume, 0)
+        _truncate_jsonl(metrics_path, pre + state["answer_step"])
+        print(f"[warmup] resumed from {resume} (answer step {state['answer_step']} of {w.steps})", file=sys.stderr)
+    else:  # the projector-only stages are done: never repeated
+        _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre)
+    order: list[int] = state["order"]
+    first = state["answer_step"]
+    bar = tqdm(range(first + 1, w.steps + 1), desc="warm-up (answers)", unit="step", file=sys.stderr,
+               initial=first, total=w.steps)
+    with _StopFlag() as stop:
+        for step in bar:
+            if len(order) < w.batch_size:  # epochs of a seeded permutation
+                order += torch.randperm(len(examples), generator=gen).tolist()
+            batch = [examples[i] for i in order[: w.batch_size]]
+            del order[: w.batch_size]
+            t0 = time.perf_counter()
+            model.eval()  # retrieval and budgets as a rollout makes them
+            model.cfg = dataclasses.replace(mem_cfg, top_z=curriculum_z(w.top_z_start, mem_cfg.top_z, step, w.steps))
+            include = [evidence.get(ex.id, set()) for ex in batch] if w.evidence and evidence else None
+            traj = model.teacher_forced(batch, [targets[ex.id] for ex in batch], include, w.budgets, gen)
+            recall = _recall_before(model, traj, batch, evidence) if evidence else None
+            model.train()
+            o = model.score(traj)
+            loss = supervised_loss(o.logp_answer, traj.answer_mask)
+            m: dict[str, Any] = {"step": w.align_steps + w.reconstruct_steps + step, "stage": "answer",
+                                 "top_z": model.cfg.top_z, "loss/answer": float(loss.detach())}
+            if w.retrieval_weight > 0:
+                aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
+                r_loss, _ = retrieval_loss(o.query_state, *aux.select(list(range(len(traj))), model.device),
+                                           cfg.train.loss.retrieval_temperature, aux.count)
+                loss = loss + w.retrieval_weight * r_loss
+                m["loss/retrieval"] = float(r_loss.detach())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            m.update({"loss": float(loss.detach()), "token_accuracy": _token_accuracy(o.logp_answer, traj.answer_mask),
+                      "exact": _exact(o.logp_answer, traj.answer_mask),
+                      "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                      "memory_tokens": float(traj.memory_tokens.float().mean()), "time/step": time.perf_counter() - t0})
+            if recall is not None:
+                m["retrieval/evidence_recall"] = recall
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            last = m
+            state = {"answer_step": step, "order": order}
+            stop_now = stop.set or (w.stop_after_steps > 0 and step - first >= w.stop_after_steps and step < w.steps)
+            if (w.save_every and step % w.save_every == 0 and step < w.steps) or stop_now:
+                model.cfg = mem_cfg
+                _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre + step)
+            if stop_now:
+                bar.close()
+                return {"stopped_at": pre + step, "last_step": last}
     model.eval()
     model.cfg = mem_cfg
     tmp = out / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tmp.rename(out / "final")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # final/ supersedes them
     result: dict[str, Any] = {"last_step": last}
     if eval_examples:
         result["eval"] = greedy_eval(model, eval_examples, get_reward(cfg.train.reward), cfg.train.eval_batch_size)
         result["eval"]["split"] = w.eval_split
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+WARMUP_MAY_CHANGE = ("warmup.save_every", "warmup.stop_after_steps", "warmup.eval_split", "warmup.eval_limit")
+"""Warm-up keys a resumed run may change (with the trainer's ``RESUME_MAY_CHANGE``, and the
+GRPO-only ``train.*`` keys, which the warm-up reads only for gradient clipping and evaluation)."""
+
+
+def _resumable(cfg: Config, out: Path) -> Path | None:
+    """The newest checkpoint of an interrupted warm-up in ``out``, or None to start afresh;
+    refuses one written with other settings."""
+    from elasticmem.grpo.trainer import config_changes, mixed_runs_error
+    from elasticmem.utils import checkpointing as ckpt
+    from elasticmem.utils.configuration import load
+
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    if last is None or not (out / "config.yaml").is_file():
+        return last
+    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory")
+    changed = [k for k in config_changes(load(Config, out / "config.yaml"), cfg)
+               if k not in WARMUP_MAY_CHANGE and (not k.startswith("train.") or k in kept)]
+    if changed:
+        raise mixed_runs_error(out, out / "config.yaml", changed, "warmup.output_dir")
+    return last
+
+
+def _save_checkpoint(out: Path, model, optimizer, scheduler, state: dict[str, Any], gen: torch.Generator,
+                     step: int) -> None:
+    """Weights, AdamW and schedule, the data order, the sampling generator and the global RNG,
+    written atomically as ``checkpoints/step_{step}`` (global step); only the newest is kept."""
+    from safetensors.torch import save_file
+
+    from elasticmem.utils import checkpointing as ckpt
+
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt.tmp_dir(root, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    ckpt.write_trainer_state(tmp, optimizer, scheduler, {"answer_step": state["answer_step"],
+                                                         "order": list(state["order"])})
+    save_file({"state": gen.get_state()}, str(tmp / "generator.safetensors"))
+    ckpt.save_rng(tmp, 0)
+    ckpt.finalize(root, step, keep_last=1)
 
 
 def cached_token_ids(bank, tokenizer, rows: Sequence[int]) -> list[list[int]]:
@@ -369,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SchemaError, BankError, FileNotFoundError) as e:
         print(f"warmup: error: {e}", file=sys.stderr)
         return 2
+    if "stopped_at" in result:
+        print(f"warmup: {cfg.warmup.output_dir}: stopped at step {result['stopped_at']} with a checkpoint; "
+              f"run the same command again to resume")
+        return 0
     ev = result.get("eval", {})
     print(f"warmup: {cfg.warmup.output_dir}: " + json.dumps(
         {k: ev.get(k) for k in ("split", "accuracy", "accuracy_ci95", "num_examples", "avg_memory_tokens")}))

@@ -232,6 +232,36 @@ def test_older_bank_without_key_record_has_the_paper_key(tmp_path, tiny_backbone
         _build(tmp_path, tiny_backbone, key="mean")
 
 
+@pytest.mark.parametrize("layer", [1, 0])
+def test_content_layer_caches_that_layers_states_and_keeps_final_keys(tmp_path, tiny_backbone, monkeypatch, layer):
+    """bank.content_layer: the cache equals hidden_states[layer] of each chunk alone; the keys stay
+    the final layer's (the paper's), the manifest records the layer and the paper's bank is another bank."""
+    _, paper = _build(tmp_path, tiny_backbone, "paper")
+    _, bank = _build(tmp_path, tiny_backbone, content_layer=layer)
+    assert paper.content_layer == -1 and "content_layer" not in paper.manifest
+    assert bank.content_layer == layer and bank.manifest["content_layer"] == layer
+    assert torch.allclose(bank.keys(), paper.keys(), atol=1e-6)
+    cache, cache_len = bank.gather(torch.arange(bank.num_chunks))
+    tok = tiny_backbone.tokenizer
+    for row, rec in enumerate(bank.chunks()):
+        ids = tok(rec["text"], add_special_tokens=CHUNKING.add_special_tokens, truncation=True,
+                  max_length=CHUNKING.max_tokens, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            H = tiny_backbone.model(input_ids=ids, output_hidden_states=True).hidden_states[layer][0]
+        c = int(cache_len[row])
+        assert torch.allclose(cache[row, bank.n_cache - c:], H[H.shape[0] - c:], atol=1e-4)
+    monkeypatch.setattr(builder_mod, "encode_shard", lambda *a, **k: pytest.fail("nothing to encode"))
+    assert _build(tmp_path, tiny_backbone, content_layer=layer)[0].status == "already built"
+    with pytest.raises(BankError, match="already holds a different bank"):
+        _build(tmp_path, tiny_backbone, content_layer=-1)
+
+
+def test_content_layer_out_of_range_is_refused(tmp_path, tiny_backbone):
+    n = tiny_backbone.model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=r"bank.content_layer \[%d\] out of range" % (n + 1)):
+        _build(tmp_path, tiny_backbone, content_layer=n + 1)
+
+
 def test_truncated_and_corrupted_shards_refused(tmp_path, tiny_backbone):
     _, bank = _build(tmp_path, tiny_backbone)
     shard = bank.root / bank.shards[1].file

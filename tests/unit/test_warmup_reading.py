@@ -241,3 +241,49 @@ def test_token_alignment_moves_soft_tokens_to_their_token_embeddings_and_trains_
     identity = make_model(bank, projector=ProjectorConfig(variant="identity"))
     with pytest.raises(ConfigError, match="no parameters"):
         _align(identity, w, rows, torch.Generator(), tmp_path / "i", 1.0)
+
+
+def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
+    """Stopped after 3 answer steps (with a checkpoint) and run again, the warm-up ends with the
+    same weights and the same logged losses as one uninterrupted run (LoRA dropout, uniform
+    budgets and the data order all draw random numbers); other settings are refused."""
+    from conftest import ROOT
+    from safetensors.torch import load_file
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.utils.checkpointing import list_checkpoints
+    from elasticmem.warmup.reading import warmup
+
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
+            "memory.lora.dropout=0.1", "warmup.steps=7", "warmup.align_steps=3", "warmup.align_batch_size=4",
+            "warmup.batch_size=4", "warmup.budgets=uniform", "warmup.save_every=2", "warmup.eval_split="]
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+               cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+
+    def run(name, *extra):
+        return warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, f"warmup.output_dir={tmp_path / name}",
+                                                                          *extra]))
+
+    run("whole")
+    assert run("split", "warmup.stop_after_steps=3") ["stopped_at"] == 3 + 3
+    split = tmp_path / "split"
+    assert [p.name for p in list_checkpoints(split / "checkpoints")] == ["step_000006"]  # only the newest kept
+    assert not (split / "final").exists()
+    with pytest.raises(ConfigError, match="warmup.lr"):
+        run("split", "warmup.lr=0.1")
+    run("split", "warmup.eval_limit=5")  # a key a resumed run may change
+    assert not (split / "checkpoints").exists()
+    for f in ("projector.safetensors", "budget_policy.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(str(tmp_path / "whole/final" / f)), load_file(str(split / "final" / f))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+
+    def logged(name):
+        return [{k: v for k, v in json.loads(x).items() if k != "time/step"}
+                for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert logged("split") == logged("whole") and len(logged("whole")) == 3 + 7

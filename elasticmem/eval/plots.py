@@ -151,6 +151,17 @@ def _smooth(y: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([head, (c[window:] - c[:-window]) / window])
 
 
+def _by_stage(rows: list[dict[str, Any]]) -> list[tuple[str | None, list[dict[str, Any]]]]:
+    """Consecutive rows grouped by their ``stage`` (the warm-up logs 'align', 'reconstruct',
+    'answer'; GRPO rows have none): each stage's loss means something else, so each is its own line."""
+    groups: list[tuple[str | None, list[dict[str, Any]]]] = []
+    for r in rows:
+        if not groups or groups[-1][0] != r.get("stage"):
+            groups.append((r.get("stage"), []))
+        groups[-1][1].append(r)
+    return groups
+
+
 def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int | None = None) -> Path:
     """Reward (mean ± std), accuracy, mean ``B_mem`` and loss by step from ``metrics.jsonl``.
 
@@ -159,6 +170,8 @@ def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int
     (``reward/accuracy`` accepted), ``budget/mean_B_mem``, ``loss``; greedy evaluation rows
     (``{"step", "eval": {"accuracy", ...}}``) are drawn on the accuracy panel. Faint lines are
     raw values, solid ones a moving average over ``smooth`` steps (default ~1/20 of the run).
+    A warm-up's stages (rows with ``stage``) are drawn as separate lines, averaged within their
+    stage, and its ``memory_tokens`` stand in for ``B_mem``.
     Default output: ``learning_curves.png`` beside ``metrics.jsonl``.
     """
     run = Path(run)
@@ -166,11 +179,11 @@ def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int
     train, evals = read_metrics(metrics)
     if not train:
         raise ValueError(f"no training steps in {metrics}")
-    window = smooth if smooth is not None else max(1, len(train) // 20)
+    stages = _by_stage(train)
     panels = [("reward", _first_key(train, "reward/mean")),
               ("accuracy (sampled; warm-up: teacher-forced tokens)",
                _first_key(train, "accuracy", "reward/accuracy", "token_accuracy")),
-              ("mean B_mem", _first_key(train, "budget/mean_B_mem", "budget/mean", "B_mem")),
+              ("mean B_mem", _first_key(train, "budget/mean_B_mem", "budget/mean", "B_mem", "memory_tokens")),
               ("loss", _first_key(train, "loss"))]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for ax, (title, key) in zip(axes.flat, panels):
@@ -179,14 +192,19 @@ def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int
         if key is None:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        x, y = _series(train, key)
-        ax.plot(x, y, color="tab:blue", alpha=0.3, lw=0.8)
-        ax.plot(x, _smooth(y, window), color="tab:blue", lw=1.6, label=key)
-        if key == "reward/mean" and _first_key(train, "reward/std"):
-            xs, s = _series(train, "reward/std")
-            if len(xs) == len(x):
-                ys, ss = _smooth(y, window), _smooth(s, window)
-                ax.fill_between(x, ys - ss, ys + ss, color="tab:blue", alpha=0.12, label="± std")
+        for i, (stage, rows) in enumerate(stages):
+            x, y = _series(rows, key)
+            if not len(x):
+                continue
+            window = smooth if smooth is not None else max(1, len(rows) // 20)
+            color = f"C{i}"
+            ax.plot(x, y, color=color, alpha=0.3, lw=0.8)
+            ax.plot(x, _smooth(y, window), color=color, lw=1.6, label=key if stage is None else f"{key} ({stage})")
+            if key == "reward/mean" and _first_key(rows, "reward/std"):
+                xs, s = _series(rows, "reward/std")
+                if len(xs) == len(x):
+                    ys, ss = _smooth(y, window), _smooth(s, window)
+                    ax.fill_between(x, ys - ss, ys + ss, color=color, alpha=0.12, label="± std")
         if title.startswith("accuracy") and evals:
             ex = [r["step"] for r in evals if "accuracy" in r["eval"]]
             ey = [r["eval"]["accuracy"] for r in evals if "accuracy" in r["eval"]]

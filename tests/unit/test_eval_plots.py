@@ -96,6 +96,25 @@ def test_learning_curves(run_dir):
     assert len(train) == 30 and [e["step"] for e in evals] == [15, 30]
 
 
+def test_learning_curves_draw_each_warmup_stage_apart(tmp_path, monkeypatch):
+    """A warm-up's alignment loss (squared distances) and answer loss (nats) are two lines, each
+    averaged within its own stage; memory_tokens fill the B_mem panel."""
+    rows = ([{"step": s, "stage": "align", "loss": 20.0 - s, "token_accuracy": 0.01 * s, "memory_tokens": 19.0}
+             for s in range(1, 11)]
+            + [{"step": s, "stage": "answer", "loss": 1.0, "token_accuracy": 0.5, "memory_tokens": 80.0}
+               for s in range(11, 16)])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.setdefault("fig", fig) and Path(path))
+    plots.learning_curves(tmp_path, smooth=3)
+    axes = {ax.get_title(): ax for ax in drawn["fig"].axes}
+    loss = {line.get_label(): line for line in axes["loss"].get_lines() if not line.get_label().startswith("_")}
+    assert set(loss) == {"loss (align)", "loss (answer)"}
+    assert list(loss["loss (align)"].get_xdata()) == list(range(1, 11))
+    assert list(loss["loss (answer)"].get_ydata()) == [1.0] * 5  # not averaged with the alignment steps
+    assert {line.get_label() for line in axes["mean B_mem"].get_lines()} >= {"memory_tokens (answer)"}
+
+
 def test_accuracy_vs_tokens(tmp_path):
     out = plots.accuracy_vs_tokens({"ElasticMem": results(0.7, 300), "text-RAG": results(0.6, 2500),
                                     "no memory": results(0.4, 120)}, tmp_path / "cmp.png")

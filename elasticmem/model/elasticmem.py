@@ -509,8 +509,7 @@ class ElasticMem(nn.Module):
         if len(answers) != len(batch):
             raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
         prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True)
-        if include_rows is not None and rows.shape[1] > 0 and self.cfg.retrieval != "recent":
-            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
+        rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
         N, Z = rows.shape
         b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator)
         _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
@@ -558,8 +557,11 @@ class ElasticMem(nn.Module):
         mask = torch.arange(tgt.shape[1])[None, :] < lengths[:, None]
         return self._target_logps(H, x.answer_start, tgt, lengths), mask.to(H.device)
 
-    def _include(self, h, rows, scores, mask, include: Sequence[set[int]]):
-        """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by score."""
+    def _include(self, h, rows, scores, mask, include: Sequence[set[int]] | None):
+        """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by
+        score; unchanged without ``include``, without memories, or for retrieval='recent'."""
+        if include is None or rows.shape[1] == 0 or self.cfg.retrieval == "recent":
+            return rows, scores, mask
         N, Z = rows.shape
         hn = torch.nn.functional.normalize(h.float().cpu(), dim=-1)
         out_r, out_s = rows.clone(), scores.clone()
@@ -592,8 +594,7 @@ class ElasticMem(nn.Module):
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
         t0 = time.perf_counter()
         prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
-        if include_rows is not None and rows.shape[1] > 0 and self.cfg.retrieval != "recent":
-            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
+        rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
         t1 = time.perf_counter()
         h_pol = h.detach() if self.cfg.detach_policy_inputs else h
         budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy)

@@ -199,7 +199,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
             model.train()
             o = model.score(traj)
             loss = supervised_loss(o.logp_answer, traj.answer_mask)
-            m: dict[str, Any] = {"step": w.align_steps + w.reconstruct_steps + step, "stage": "answer",
+            m: dict[str, Any] = {"step": pre + step, "stage": "answer",
                                  "top_z": model.cfg.top_z, "loss/answer": float(loss.detach())}
             if w.retrieval_weight > 0:
                 aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
@@ -259,7 +259,8 @@ def _resumable(cfg: Config, out: Path) -> Path | None:
     last = ckpt.latest_checkpoint(out / "checkpoints")
     if last is None or not (out / "config.yaml").is_file():
         return last
-    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory")
+    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory",
+            "train.loss.retrieval_temperature")  # the train.* keys the answer steps read
     changed = [k for k in config_changes(load(Config, out / "config.yaml"), cfg)
                if k not in WARMUP_MAY_CHANGE and (not k.startswith("train.") or k in kept)]
     if changed:

@@ -223,7 +223,8 @@ class MemoryConfig:
     template around a user turn holding question, memories and options."""
     suffix_template: str = "\nOptions:\n{options}\nAnswer with the letter of the correct option.\nAnswer:"
     """suffix(u) after the memories; {options} becomes one "(a) text" line per choice,
-    {question} the question."""
+    {question} the question, and {name} any string field ``name`` of the example's extra
+    fields (an ALFWorld step's recent actions, observation and admissible commands)."""
     separator: str = "\n"
     """Text whose embedding follows each injected memory."""
     max_new_tokens: int = 5

@@ -4,7 +4,9 @@ Reference-code chunking (DESIGN.md section 2): one chunk per user+assistant
 turn pair inside a session, ``"User:\\n{u}\\n\\nAssistant:\\n{a}"``; any turn
 that is not part of such a pair is a chunk of its own. Where the source names
 the speaker (LoCoMo) the name replaces the role label, and where it dates the
-turn the chunk starts with ``"[{date}]\\n"``. Pairs never cross sessions.
+turn the chunk starts with ``"[{date}]\\n"``. Pairs never cross sessions. A turn whose role is
+``memory`` (a memory written as such, e.g. an ALFWorld skill card) is its own chunk and is
+encoded as its content alone, without a role label.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _label(turn: Turn) -> str:
 
 def format_chunk(turns: Sequence[Turn]) -> str:
     """Render one or two turns as chunk text."""
-    body = "\n\n".join(f"{_label(t)}:\n{t.content}" for t in turns)
+    body = "\n\n".join(t.content if t.role == "memory" else f"{_label(t)}:\n{t.content}" for t in turns)
     date = turns[0].date
     return f"[{date}]\n{body}" if date else body
 

@@ -40,7 +40,8 @@ class SchemaError(ValueError):
 @dataclass(frozen=True)
 class Turn:
     role: str
-    """Who speaks: "user" or "assistant" (other roles are kept as lone turns)."""
+    """Who speaks: "user" or "assistant" (other roles are kept as lone turns); "memory" for a
+    memory written as such (a skill card), chunked as its content alone."""
     content: str
     """The turn's text."""
     date: str | None = None

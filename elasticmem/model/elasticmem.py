@@ -159,6 +159,21 @@ def format_options(choices: Sequence[str]) -> str:
     return "\n".join(f"({chr(ord('a') + i)}) {c}" for i, c in enumerate(choices))
 
 
+def format_suffix(template: str, ex: Example) -> str:
+    """suffix(u) of one example: ``template`` with {options} (one "(a) text" line per choice),
+    {question}, and any string field of ``ex.extra`` (e.g. an agent step's recent actions and
+    admissible commands) filled in."""
+    fields = {k: v for k, v in ex.extra.items() if isinstance(v, str)}
+    fields.update(options=format_options(ex.choices), question=ex.question)
+    try:
+        return template.format(**fields)
+    except KeyError as e:
+        raise ValueError(
+            f"memory.suffix_template names {{{e.args[0]}}}, which example {ex.id!r} does not have; "
+            f"it has {sorted(fields)}"
+        ) from None
+
+
 class ElasticMem(nn.Module):
     """LoRA reasoner + budget policy + projector over a read-only bank."""
 
@@ -247,7 +262,7 @@ class ElasticMem(nn.Module):
     def encode_texts(self, ex: Example) -> tuple[list[int], list[int]]:
         """Token ids of prompt(q) and suffix(u) for one example."""
         tok, cfg = self.tokenizer, self.cfg
-        suffix = cfg.suffix_template.format(options=format_options(ex.choices), question=ex.question)
+        suffix = format_suffix(cfg.suffix_template, ex)
         if cfg.prompt_template == "raw":
             return tok(ex.question)["input_ids"], tok(suffix, add_special_tokens=False)["input_ids"]
         # Chat: render the template around a placeholder and cut there, so the user turn holds

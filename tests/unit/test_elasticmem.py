@@ -240,6 +240,17 @@ def test_bad_inputs(bank):
         model.greedy([])
 
 
+def test_suffix_template_fills_options_question_and_extra_fields(bank):
+    from elasticmem.model.elasticmem import format_suffix
+
+    ex = bank[1][0]
+    step = dataclasses.replace(ex, extra={"commands": "go to sink 1\nlook", "n": 3})
+    assert format_suffix("{question}|{options}|{commands}", step) == (
+        f"{ex.question}|" + "\n".join(f"({'abcd'[i]}) {c}" for i, c in enumerate(ex.choices)) + "|go to sink 1\nlook")
+    with pytest.raises(ValueError, match=r"names \{n\}.*has \['commands', 'options', 'question'\]"):
+        format_suffix("{n}", step)  # only string fields are offered
+
+
 def test_chat_template_prompt(bank):
     bank, examples = bank
     model = make_model(bank, prompt_template="chat")

@@ -87,6 +87,13 @@ def test_chunking_pairs_lone_turns_speakers_dates():
         "[d]\nMel:\nx\n\nBob:\ny"
 
 
+def test_a_memory_turn_is_its_own_chunk_without_a_label():
+    history = [[Turn("memory", "[heat] Task type: heat."), Turn("user", "a"), Turn("assistant", "b")],
+               [Turn("user", "c"), Turn("memory", "card 2")]]
+    assert [c.text for c in chunk_history(history, "g")] == [
+        "[heat] Task type: heat.", "User:\na\n\nAssistant:\nb", "User:\nc", "card 2"]
+
+
 def test_pairs_never_cross_sessions():
     chunks = chunk_history([[Turn("user", "a")], [Turn("assistant", "b")]], "g")
     assert len(chunks) == 2

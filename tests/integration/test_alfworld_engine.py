@@ -151,3 +151,30 @@ def test_a_folder_without_games_is_an_error_not_a_hang(tmp_path):
         find_games(tmp_path)
     with pytest.raises(FileNotFoundError):
         find_games(tmp_path / "missing")
+
+
+def test_generated_games_have_new_goals_the_expert_wins(tmp_path):
+    from elasticmem.agent import generate_games as G
+
+    scene = G.read_scene((SAMPLE / "initial_state.pddl").read_text())
+    potatoes = scene.properties["Potato"]
+    assert len(potatoes) == scene.objects["Potato"] and sum({"pickupable", "heatable"} <= p for p in potatoes) == 2
+    assert ("SinkBasin", "Potato") in scene.contains and "Microwave" in scene.receptacles
+    tasks = G.possible_tasks(scene, (4,))
+    assert G.Task("pick_heat_then_place_in_recep", "Potato", "SinkBasin") in tasks
+    assert all(t.recep != "Microwave" for t in tasks)  # the heating appliance is not a destination
+    assert not G.possible_tasks(scene, (2,))  # no lamp in this kitchen: no look-at-in-light task
+
+    kept = G.generate(SAMPLE, tmp_path, n=2, seed=1, task_types=(1, 5), progress=False)
+    games = find_games(tmp_path)
+    assert [g.game_id for g in games] == sorted(r["game_id"] for r in kept) and len(kept) == 2
+    for rec, game in zip(sorted(kept, key=lambda r: r["game_id"]), games):
+        traj = json.loads(game.traj_data.read_text())
+        obj, recep = traj["pddl_params"]["object_target"], traj["pddl_params"]["parent_target"]
+        assert game.game_id.startswith(f"{traj['task_type']}-{obj}-None-{recep}-gen")
+        assert traj["task_type"] in ("pick_and_place_simple", "pick_cool_then_place_in_recep")
+        assert obj.lower() in rec["objective"] and recep.lower() in rec["objective"]
+        # the engine checks the new goal: the expert wins by putting the object there, not before
+        assert rec["success"] and len(rec["steps"]) >= 2
+        last = rec["steps"][-1]["action"]
+        assert last.startswith(f"move {obj.lower()} ") and f"to {recep.lower()} " in last + " "

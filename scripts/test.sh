@@ -13,4 +13,11 @@ if [ "${ELASTICMEM_SKIP_FETCH:-0}" != "1" ]; then
   python -m elasticmem.backbone fetch smollm2
   python -m elasticmem.eval.metrics fetch-punkt
 fi
+# DeepSpeed's CPU shared-memory communication extension: compiled once (~1 min) into the cache
+# tests/integration/test_deepspeed.py uses, so that the suite does not wait for a compiler
+if python -c "import deepspeed" >/dev/null 2>&1; then
+  TORCH_EXTENSIONS_DIR="$HOME/.cache/elasticmem/torch_extensions" python -c \
+    "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
+    >/dev/null 2>&1 || echo "[test] DeepSpeed's extension did not build here; test_deepspeed.py will try again" >&2
+fi
 python -m pytest -q -ra "$@"

@@ -3,8 +3,8 @@
     pytest tests/integration/test_deepspeed.py
 
 Skipped when deepspeed is not installed (it is in the ``dev`` extra). The first run
-compiles DeepSpeed's small shared-memory communication extension (~90 s), cached in
-``~/.cache/elasticmem/torch_extensions``.
+compiles DeepSpeed's small shared-memory communication extension (~1 min), cached in
+``~/.cache/elasticmem/torch_extensions`` (scripts/test.sh builds it before the suite).
 """
 
 from __future__ import annotations

@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-chars", type=int, default=4000, help="character cap of the recent steps")
     a = p.parse_args(argv)
     ids = (Path(a.pools) / "imitation_ids.txt").read_text().split()
-    train, val = imitation_examples(read_records(a.trajectories), ids, read_records(a.cards), a.heldout, a.seed,
-                                    a.window, a.max_chars)
+    cards = read_records(a.cards)
+    train, val = imitation_examples(read_records(a.trajectories), ids, cards, a.heldout, a.seed, a.window, a.max_chars)
     out = Path(a.out)
     write_examples(out / "train.jsonl", train)
     write_examples(out / "val.jsonl", val)
     print(f"{out}: {len(train)} training and {len(val)} held-out steps of {len(ids)} trajectories, "
-          f"over {len(read_records(a.cards))} skill cards", file=sys.stderr)
+          f"over {len(cards)} skill cards", file=sys.stderr)
 
 
 if __name__ == "__main__":

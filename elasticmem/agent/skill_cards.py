@@ -25,6 +25,7 @@ The LLM backends are the A-Mem baseline's (local transformers or an OpenAI-compa
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -176,10 +177,15 @@ def card_errors(card: str, s: CardSettings) -> list[str]:
     trigrams = [tuple(grams[i : i + 3]) for i in range(len(grams) - 2)]
     if trigrams and len(set(trigrams)) < 0.8 * len(trigrams):
         errors.append(f"repetitive: {len(set(trigrams))} distinct of {len(trigrams)} word 3-grams")
-    shared = _ngrams(card) & _ngrams(render_card(EXAMPLE))
+    shared = _ngrams(card) & _example_ngrams()
     if len(shared) > 0.2 * max(1, len(_ngrams(card))):
         errors.append(f"{len(shared)} word 5-grams copied from the worked example")
     return errors
+
+
+@functools.cache
+def _example_ngrams() -> frozenset[tuple[str, ...]]:
+    return frozenset(_ngrams(render_card(EXAMPLE)))
 
 
 def _ngrams(text: str, n: int = 5) -> set[tuple[str, ...]]:
@@ -242,8 +248,7 @@ def write_cards(records: Sequence[dict[str, Any]], backend: LLMBackend, out: str
             for attempt in range(settings.retries + 1):
                 if not pending:
                     break
-                temp = settings.temperature
-                outs = backend.generate([requests[i] for i in pending], temperature=temp, seed=attempt)
+                outs = backend.generate([requests[i] for i in pending], temperature=settings.temperature, seed=attempt)
                 still = []
                 for i, o in zip(pending, outs):
                     attempts[i] += 1

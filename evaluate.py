@@ -4,6 +4,7 @@
     python evaluate.py --config configs/quickstart.yaml system=text_rag memory.retrieval=semantic --limit 20
     python evaluate.py --config configs/quickstart.yaml 'eval.variants={elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag]}'
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 evaluate.py --config ...   # 2 processes
+    python evaluate.py --config configs/alfworld_cpu.yaml     # ALFWorld episodes (eval.task=alfworld)
     python evaluate.py --help                                  # every config key, documented
 
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
@@ -58,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = cfg.eval.variants or {cfg.eval.system: []}
         out_root = Path(cfg.eval.output_dir)
-        examples = load_split(cfg.data.dir, cfg.eval.split)
+        games = None
+        if cfg.eval.task == "alfworld":  # one example per game, played in the engine (elasticmem.agent.episodes)
+            from elasticmem.agent.episodes import game_examples
+
+            splits = [s.strip() for s in cfg.eval.split.split(",") if s.strip()]
+            examples, games = game_examples(cfg.agent.games_dir, splits)
+        else:
+            examples = load_split(cfg.data.dir, cfg.eval.split)
         if cfg.eval.limit > 0:
             examples = examples[: cfg.eval.limit]
         if main_proc:
@@ -74,13 +82,23 @@ def main(argv: list[str] | None = None) -> int:
             system = build_system(vcfg, vo, device=state.device)
             model = getattr(system, "model", None)  # A-Mem keeps its own memory: no bank to check
             validate_examples(examples, getattr(model, "bank", None), chunking=vcfg.chunking,
-                              top_z=model.cfg.top_z if model is not None else 0,
-                              split_name=f"{cfg.data.dir}/{cfg.eval.split}.jsonl")
+                              # games carry no history: the skill bank is checked by EpisodePlayer
+                              top_z=model.cfg.top_z if model is not None and games is None else 0,
+                              split_name=(f"{cfg.agent.games_dir or '$ALFWORLD_DATA'} games of {cfg.eval.split}"
+                                          if games is not None else f"{cfg.data.dir}/{cfg.eval.split}.jsonl"))
             meta = {"variant": name, "split": cfg.eval.split, "checkpoint": vcfg.eval.checkpoint,
-                    "data_dir": cfg.data.dir}
-            res = evaluate(system, examples, out, batch_size=vcfg.eval.batch_size, state=state, meta=meta,
+                    "data_dir": cfg.agent.games_dir if games is not None else cfg.data.dir}
+            kw = {"batch_size": vcfg.eval.batch_size}
+            if games is not None:
+                from elasticmem.agent.episodes import EpisodePlayer, episode_outcome
+
+                system = EpisodePlayer(system, games, vcfg.agent)
+                # one game per "batch": each episode is written as soon as it ends
+                kw = dict(batch_size=1, scorer=episode_outcome,
+                          results_options={"primary": "success_rate", "free_form": False})
+            res = evaluate(system, examples, out, state=state, meta=meta,
                            case_studies=vcfg.eval.case_studies, plots=vcfg.eval.plots, config=vcfg,
-                           settings={"split": cfg.eval.split, "seed": vcfg.seed}, overwrite=vcfg.eval.overwrite)
+                           settings={"split": cfg.eval.split, "seed": vcfg.seed}, overwrite=vcfg.eval.overwrite, **kw)
             del system
             if main_proc:
                 from elasticmem.eval import report

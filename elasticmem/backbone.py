@@ -94,19 +94,28 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
 # --------------------------------------------------------------------------- tiny model
 
 
-def _tiny_words() -> list[str]:
+def _tiny_words(vocabulary: str = "synthetic") -> list[str]:
     from elasticmem.data.synthetic import VOCABULARY
 
-    return ["User", "Assistant", "user", "assistant", "system", *VOCABULARY]
+    words = ["User", "Assistant", "user", "assistant", "system", *VOCABULARY]
+    if vocabulary == "alfworld":
+        from elasticmem.agent.vocabulary import ALFWORLD_WORDS
+
+        words += ALFWORLD_WORDS
+    elif vocabulary != "synthetic":
+        raise ValueError(f"model.tiny.vocabulary must be 'synthetic' or 'alfworld', got {vocabulary!r}")
+    return words
 
 
-def build_tiny_tokenizer(char_fallback: bool = True):
+def build_tiny_tokenizer(char_fallback: bool = True, vocabulary: str = "synthetic"):
     """A small word-piece tokenizer: task words, then single characters as fallback.
 
     Newlines are real tokens (the separator between injected memories is the
     embedding of "\\n"); spaces are dropped. With ``char_fallback`` any ASCII text
     tokenizes without <unk> (an unknown word falls back to characters); without
-    it the vocabulary is the task words and punctuation only.
+    it the vocabulary is the task words and punctuation only. ``vocabulary``
+    'alfworld' adds ALFWorld's words (``elasticmem.agent.vocabulary``) after the
+    synthetic task's, which keep their ids.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -114,7 +123,7 @@ def build_tiny_tokenizer(char_fallback: bool = True):
     specials = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chars = list(string.ascii_letters + string.digits + string.punctuation) if char_fallback else []
     vocab: dict[str, int] = {}
-    for tok in [*specials, "\n", *_tiny_words(), *string.punctuation, *chars, *("##" + c for c in chars)]:
+    for tok in [*specials, "\n", *_tiny_words(vocabulary), *string.punctuation, *chars, *("##" + c for c in chars)]:
         vocab.setdefault(tok, len(vocab))
     tk = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", max_input_chars_per_word=100))
     tk.pre_tokenizer = pre_tokenizers.Sequence(
@@ -356,7 +365,7 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
         raise ValueError("model.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
     key_before, loading, path = None, {}, cfg.name_or_path
     if cfg.name_or_path == "tiny":
-        tokenizer = build_tiny_tokenizer(cfg.tiny.char_fallback)
+        tokenizer = build_tiny_tokenizer(cfg.tiny.char_fallback, cfg.tiny.vocabulary)
         model = build_tiny_model(cfg.tiny, tokenizer)
     else:
         from transformers import AutoModelForCausalLM

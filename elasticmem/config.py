@@ -45,6 +45,9 @@ class TinyModelConfig:
     """Tokenizer vocabulary: task words plus single characters (any ASCII text tokenizes), or,
     when false, task words and punctuation only (~50 tokens; other words become <unk>). A small
     vocabulary makes an option letter likely under a random model, which RL needs to start."""
+    vocabulary: Literal["synthetic", "alfworld"] = "synthetic"
+    """Task words of the tokenizer: the synthetic task's, or those plus ALFWorld's object types
+    and command, feedback and prompt words (elasticmem.agent.vocabulary), for agent tests."""
 
 
 @dataclass
@@ -441,6 +444,33 @@ class EvalConfig:
     text, rank, score and budget."""
     plots: bool = True
     """Draw the budget plots (heat map by rank, budget vs score, histogram) next to results.json."""
+    task: Literal["qa", "alfworld"] = "qa"
+    """'qa': answer the examples of data.dir/<split>.jsonl; 'alfworld': play the ALFWorld games of
+    each split named in eval.split (comma-separated, e.g. valid_seen,valid_unseen) under
+    agent.games_dir in the live engine, one episode per game, and report the success rate per
+    split and over all games (weighted by games), #Tok summed over each episode's steps, and a
+    trace per episode (agent.* sets the episode limits)."""
+
+
+@dataclass
+class AgentConfig:
+    """ALFWorld episodes (evaluate.py with eval.task=alfworld; docs/alfworld.md)."""
+
+    games_dir: str = ""
+    """Where the games of eval.split are: an ALFWorld data folder ($ALFWORLD_DATA, holding
+    json_2.1.1/<split>/) or a folder with one subfolder of games per split (generated games).
+    Empty = $ALFWORLD_DATA."""
+    max_steps: int = 30
+    """Actions per episode before it ends unsuccessful (paper: 30)."""
+    timeout_s: float = 240.0
+    """Wall-clock seconds per episode, model time included, before it ends unsuccessful (paper: 240)."""
+    window: int = 5
+    """Recent (action, observation) pairs in each step's prompt (the imitation examples' window)."""
+    max_chars: int = 4000
+    """Character cap of those recent steps, cut from the oldest end."""
+    seed: int = 0
+    """Seed of the engine's random generator at every reset (ALFWorld itself is deterministic;
+    kept so an episode is reproducible in any process)."""
 
 
 @dataclass
@@ -572,6 +602,8 @@ class Config:
     """The A-Mem baseline (eval.system=amem)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """The supervised reading warm-up (python -m elasticmem.warmup.reading)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """ALFWorld episodes (eval.task=alfworld)."""
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -2,6 +2,8 @@
 
     python -m elasticmem.agent.generate_games ../shared/data/alfworld_sample_game \
         --out runs/alfworld/generated/train --n 40 --seed 0 [--task-types 1 3 4 5 6]
+    python -m elasticmem.agent.generate_games ../shared/data/alfworld_sample_game \
+        --out runs/alfworld/generated/valid --n 30 --seed 1 --exclude runs/alfworld/generated/train
 
 Every game is the scene of one ALFWorld trial (its rooms, objects, receptacles and their
 places, from ``initial_state.pddl``) with another goal: a task type, a target object type and a
@@ -27,6 +29,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from tqdm import tqdm
 
@@ -127,15 +130,32 @@ def write_task(trial_dir: Path, task: Task, out_dir: Path, seed: int) -> Path:
     return build_game_file(out_dir, out_dir, seed=seed)
 
 
+def _folder_name(task: Task) -> str:
+    return f"{task.task_type}-{task.obj}-None-{task.recep or task.toggle}"
+
+
+def _task_name(folder: str) -> str:
+    """The task of a generated game's folder name (without its -gen<k> suffix)."""
+    return re.sub(r"-gen\d+$", "", folder)
+
+
+def untaken(tasks: Sequence[Task], exclude: Sequence[str | Path]) -> list[Task]:
+    """``tasks`` less those with a generated game in a folder of ``exclude``."""
+    taken = {_task_name(d.name) for root in exclude for d in Path(root).iterdir() if d.is_dir()}
+    return [t for t in tasks if _folder_name(t) not in taken]
+
+
 def generate(trial_dir: str | Path, out_root: str | Path, n: int, seed: int = 0,
              task_types: tuple[int, ...] = tuple(TASK_TYPES), max_steps: int = 50, min_steps: int = 2,
-             progress: bool = True) -> list[dict]:
+             progress: bool = True, exclude: Sequence[str | Path] = ()) -> list[dict]:
     """Up to ``n`` solvable games from the scene of ``trial_dir`` in ``out_root``; returns the
     expert's trajectory of each kept game (its record as ``trajectories.collect`` writes it).
     Tasks are drawn without replacement with ``random.Random(seed)``; a game the expert does not
-    win in ``min_steps..max_steps`` actions is removed and the next task is tried."""
+    win in ``min_steps..max_steps`` actions is removed and the next task is tried. Tasks already
+    generated under a folder of ``exclude`` (e.g. the training games, when generating held-out
+    ones) are not drawn."""
     trial_dir, out_root = Path(trial_dir), Path(out_root)
-    tasks = possible_tasks(read_scene((trial_dir / "initial_state.pddl").read_text()), task_types)
+    tasks = untaken(possible_tasks(read_scene((trial_dir / "initial_state.pddl").read_text()), task_types), exclude)
     if not tasks:
         raise ValueError(f"the scene of {trial_dir} affords none of the task types {task_types}")
     random.Random(seed).shuffle(tasks)
@@ -144,7 +164,7 @@ def generate(trial_dir: str | Path, out_root: str | Path, n: int, seed: int = 0,
     for k, task in enumerate(tasks):
         if len(kept) == n:
             break
-        folder = out_root / f"{task.task_type}-{task.obj}-None-{task.recep or task.toggle}-gen{k}" / "trial_gen"
+        folder = out_root / f"{_folder_name(task)}-gen{k}" / "trial_gen"
         game = read_game(write_task(trial_dir, task, folder, seed), out_root)
         record = expert_trajectory(game, max_steps=max_steps)
         if record["success"] and len(record["steps"]) >= min_steps:
@@ -167,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="ALFWorld task type ids: " + ", ".join(f"{k} {v}" for k, v in TASK_TYPES.items()))
     p.add_argument("--max-steps", type=int, default=50, help="the expert must win within this many steps")
     p.add_argument("--min-steps", type=int, default=2, help="and need at least this many")
+    p.add_argument("--exclude", nargs="*", default=[],
+                   help="folders of generated games whose tasks are not drawn again (e.g. the training games)")
     a = p.parse_args(argv)
-    kept = generate(a.trial, a.out, a.n, a.seed, tuple(a.task_types), a.max_steps, a.min_steps)
+    kept = generate(a.trial, a.out, a.n, a.seed, tuple(a.task_types), a.max_steps, a.min_steps, exclude=a.exclude)
     by_type: dict[str, int] = defaultdict(int)
     for r in kept:
         by_type[r["task_type"]] += 1

@@ -222,17 +222,18 @@ def retrieval_text(card: dict[str, Any]) -> str:
     return f"[{card['task_type']}] {card['card']}"
 
 
-def write_cards(records: Sequence[dict[str, Any]], backend: LLMBackend, out: str | Path,
+def write_cards(records: Sequence[dict[str, Any]], backend: LLMBackend | None, out: str | Path,
                 settings: CardSettings = CardSettings(), model: str = "", batch_size: int = 8,
                 progress: bool = True) -> list[dict[str, Any]]:
     """A card for each trajectory, appended to ``out`` batch by batch; cached cards are kept.
 
     Returns the cards of ``records`` in their order: ``game_id``, ``task_type``, ``card``,
     ``text`` (the retrieval text), ``attempts``, ``fallback``, ``errors`` (of the last LLM
-    attempt when it fell back), ``words``, ``key``."""
+    attempt when it fell back), ``words``, ``key``. ``backend`` None: no LLM, every card is the
+    deterministic ``fallback_card`` (for runs without an instruction model able to write cards)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = model or getattr(backend, "name", "")
+    model = model or getattr(backend, "name", "") or "fallback"
     cached = {c["key"]: c for c in read_records(out)}
     requests = [card_request(r, settings) for r in records]
     keys = [card_key(q, settings, model) for q in requests]
@@ -245,7 +246,7 @@ def write_cards(records: Sequence[dict[str, Any]], backend: LLMBackend, out: str
             batch = todo[start : start + batch_size]
             pending, last, attempts = list(batch), {}, {i: 0 for i in batch}
             cards: dict[int, str] = {}
-            for attempt in range(settings.retries + 1):
+            for attempt in range(settings.retries + 1 if backend is not None else 0):
                 if not pending:
                     break
                 outs = backend.generate([requests[i] for i in pending], temperature=settings.temperature, seed=attempt)
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("trajectories", help="JSONL from `python -m elasticmem.agent.trajectories collect`")
     p.add_argument("--ids", help="memory_ids.txt from `... trajectories split` (default: every successful one)")
     p.add_argument("--out", required=True, help="cards JSONL (resumes; cached by content)")
-    p.add_argument("--backend", choices=["transformers", "openai"], default="transformers")
+    p.add_argument("--backend", choices=["transformers", "openai", "fallback"], default="transformers",
+                   help="'fallback': no LLM, every card built from the expert's actions (fallback_card)")
     p.add_argument("--model", default="smollm2", help="elasticmem model name/path, or the server's model name")
     p.add_argument("--api-base", default="http://localhost:8000/v1", help="OpenAI-compatible server (--backend openai)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -303,10 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         records = [by_id[i] for i in wanted]
     else:
         records = [r for r in records if r.get("success")]
-    cfg = AMemLLMConfig(backend=a.backend, model=a.model, api_base=a.api_base, batch_size=a.batch_size)
-    backend = TransformersBackend.from_config(cfg) if a.backend == "transformers" else OpenAIBackend(cfg)
     settings = CardSettings(**{k: getattr(a, k) for k in CardSettings.__dataclass_fields__})
-    cards = write_cards(records, backend, a.out, settings, model=a.model, batch_size=a.batch_size)
+    if a.backend == "fallback":
+        backend, model = None, "fallback"
+    else:
+        cfg = AMemLLMConfig(backend=a.backend, model=a.model, api_base=a.api_base, batch_size=a.batch_size)
+        backend = TransformersBackend.from_config(cfg) if a.backend == "transformers" else OpenAIBackend(cfg)
+        model = a.model
+    cards = write_cards(records, backend, a.out, settings, model=model, batch_size=a.batch_size)
     fell = sum(c["fallback"] for c in cards)
     print(f"{a.out}: {len(cards)} cards, {fell} fallbacks ({fell / max(1, len(cards)):.1%})", file=sys.stderr)
 

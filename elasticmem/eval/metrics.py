@@ -82,7 +82,8 @@ class PredictionRecord(TypedDict):
     (``[]`` for systems without budgets). ``latency`` maps a stage name (``retrieval``,
     ``policy``, ``generation``; others are allowed) to seconds for this example.
     For free-form answers (LoCoMo with A-Mem's metrics) ``gold`` is the reference answer text;
-    for multiple choice it is the option letter.
+    for multiple choice it is the option letter. A record may also hold ``extra``, the
+    ``Prediction``'s system-specific details when it has any (e.g. an agent episode's trace).
     """
 
     id: str
@@ -121,6 +122,7 @@ def make_record(pred: Prediction, *, question_type: str, gold: str, correct: boo
         "tokens": {"prompt": pred.prompt_tokens, "memory": pred.memory_tokens,
                    "generated": pred.generated_tokens, "total": pred.total_tokens},
         "latency": {k: float(v) for k, v in pred.latency.items()},
+        **({"extra": pred.extra} if pred.extra else {}),
     }
 
 

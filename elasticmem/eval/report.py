@@ -305,7 +305,7 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
         raise ValueError("no results to compare")
     names = list(results)
     paired = paired_against_first(names, correct) if paired is None else paired
-    header = ["system", "n", "accuracy (%) [95 % CI]"]
+    header = ["system", "n", f"{_primary(next(iter(results.values())))[0]} (%) [95 % CI]"]
     header += ["#Tok", "B_mem", "memory tokens", "latency (s)"] + [f"{s} (s)" for s in LATENCY_STAGES]
     rows = []
     for name, r in results.items():

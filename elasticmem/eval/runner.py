@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from elasticmem.data.schema import Example
 from elasticmem.eval import metrics
 from elasticmem.eval.system import MemorySystem, Prediction, fingerprint
-from elasticmem.grpo.rewards import mc_letter_reward
+from elasticmem.grpo.rewards import mc_letter_reward, snapped_action_reward
 
 PART = "predictions.part-{rank}.jsonl"
 IDENTITY = "run_identity.json"
@@ -47,8 +47,13 @@ class OutputDirError(RuntimeError):
 
 def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
     """MC: gold is the option letter, correct when the parsed letter matches (grpo.rewards rules).
-    Free form: gold is the reference text, correct on an exact match after A-Mem's normalisation."""
+    Free form: gold is the reference text, correct on an exact match after A-Mem's normalisation;
+    an agent step (``extra["admissible_commands"]``, e.g. the held-out ALFWorld imitation steps)
+    is correct when the answer snapped to those commands is the expert's action (the
+    ``snapped_action`` reward), so evaluating such a split gives the step accuracy."""
     if ex.is_free_form:
+        if "admissible_commands" in ex.extra:
+            return str(ex.answer_text), snapped_action_reward(pred.text, ex) == 1.0
         return str(ex.answer_text), bool(metrics.exact_match(pred.text, str(ex.answer_text)))
     return ex.answer_letter, mc_letter_reward(pred.text, ex) == 1.0
 
@@ -160,6 +165,7 @@ def evaluate(
     settings: dict[str, Any] | None = None,
     overwrite: bool = False,
     config: Any = None,
+    results_options: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Answer ``examples`` with ``system`` into ``out_dir``; the results dict (main process).
 
@@ -170,6 +176,7 @@ def evaluate(
     ``system.identity()``. A folder holding another identity's predictions, or predictions of
     examples whose data changed, raises ``OutputDirError``; ``overwrite`` deletes them first.
     ``config`` (a config dataclass) is saved as ``config.yaml`` once the folder is this run's.
+    ``results_options``: keyword arguments of ``metrics.build_results`` (e.g. ``primary``).
     """
     out = Path(out_dir)
     rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
@@ -219,11 +226,13 @@ def evaluate(
     _barrier(state)
     if not main:
         return None
-    return finalize(out, examples, system.name, meta or {}, case_studies=case_studies, plots=plots)
+    return finalize(out, examples, system.name, meta or {}, case_studies=case_studies, plots=plots,
+                    results_options=results_options)
 
 
 def finalize(out: Path, examples: Sequence[Example], name: str, meta: dict[str, Any], *,
-             case_studies: int = 5, plots: bool = True) -> dict[str, Any]:
+             case_studies: int = 5, plots: bool = True,
+             results_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Merge the part files, check completeness, write every output; returns results.json's dict."""
     from elasticmem.eval import report
 
@@ -238,7 +247,7 @@ def finalize(out: Path, examples: Sequence[Example], name: str, meta: dict[str, 
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     os.replace(tmp, out / "predictions.jsonl")
-    results = metrics.build_results(records, system=name)
+    results = metrics.build_results(records, system=name, **(results_options or {}))
     results.update(meta)
     results["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (out / "results.json").write_text(json.dumps(results, indent=1))

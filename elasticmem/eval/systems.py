@@ -13,10 +13,11 @@ A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from elasticmem.config import Config, MemoryConfig
 from elasticmem.data.schema import Example
@@ -86,6 +87,18 @@ class ElasticMemSystem:
         self.name = name
         self.checkpoint = checkpoint
         self.settings = dict(settings or {})
+        self._memo: dict | None = None
+
+    @contextlib.contextmanager
+    def reuse_retrieval(self) -> Iterator[None]:
+        """Within the block, an example whose prompt was seen before gets that example's control
+        token, memories and budgets without recomputing them (``ElasticMem.greedy``'s memo): an
+        agent episode, whose query is the same objective at every step, retrieves once."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
 
     def identity(self) -> dict:
         model = self.model
@@ -104,7 +117,7 @@ class ElasticMemSystem:
 
         model = self.model
         with torch.no_grad():
-            traj = model.greedy(list(examples))
+            traj = model.greedy(list(examples), memo=self._memo)
         n = len(examples)
         latency = {k: v / n for k, v in traj.timings.items()}
         chunks = model.bank.chunks()

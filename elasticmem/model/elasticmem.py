@@ -494,12 +494,16 @@ class ElasticMem(nn.Module):
 
     @torch.no_grad()
     def greedy(self, batch: Sequence[Example], include_rows: Sequence[set[int]] | None = None,
-               budgets: str = "policy") -> Trajectories:
+               budgets: str = "policy", memo: dict | None = None) -> Trajectories:
         """One deterministic trajectory per example: argmax control token and budgets, greedy answer.
 
         ``include_rows`` and ``budgets`` ('max': max_budget each) as in ``teacher_forced``: to
-        measure reading apart from retrieval and budgets (benchmarks/evidence_reading.py)."""
-        return self._rollout(batch, 1, 1.0, greedy=True, include_rows=include_rows, budgets=budgets)
+        measure reading apart from retrieval and budgets (benchmarks/evidence_reading.py).
+        ``memo``: a dict kept by the caller across calls; an example whose prompt and group were
+        seen before reuses that call's control token, memories and budgets (all greedy, so equal)
+        instead of recomputing them: an agent episode, whose query is its objective at every
+        step, retrieves once (its retrieval time is then 0)."""
+        return self._rollout(batch, 1, 1.0, greedy=True, include_rows=include_rows, budgets=budgets, memo=memo)
 
     @torch.no_grad()
     def teacher_forced(
@@ -602,18 +606,34 @@ class ElasticMem(nn.Module):
         return out_r, out_s, out_r >= 0
 
     def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool,
-                 include_rows: Sequence[set[int]] | None = None, budgets: str = "policy") -> Trajectories:
+                 include_rows: Sequence[set[int]] | None = None, budgets: str = "policy",
+                 memo: dict | None = None) -> Trajectories:
         if not batch:
             raise ValueError("empty batch")
         if G < 1 or temperature <= 0:
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
+        if memo is not None and not (greedy and G == 1 and include_rows is None and budgets == "policy"):
+            raise ValueError("memo is for greedy rollouts with the policy's budgets and no include_rows")
         t0 = time.perf_counter()
-        prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
-        rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
-        t1 = time.perf_counter()
-        h_pol = h.detach() if self.cfg.detach_policy_inputs else h
-        budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy)
-        t2 = time.perf_counter()
+        keys = None
+        if memo is not None:
+            keys = [(tuple(self.encode_texts(ex)[0]), ex.group) for ex in batch]
+        if keys is not None and all(k in memo for k in keys):
+            texts = [self.encode_texts(ex) for ex in batch]
+            prompts, suffixes, groups = [t[0] for t in texts], [t[1] for t in texts], [ex.group for ex in batch]
+            a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b = (
+                torch.cat(parts) for parts in zip(*(memo[k] for k in keys)))
+            t1 = t2 = time.perf_counter()
+        else:
+            prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
+            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
+            t1 = time.perf_counter()
+            h_pol = h.detach() if self.cfg.detach_policy_inputs else h
+            budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy)
+            t2 = time.perf_counter()
+            if keys is not None:
+                for i, k in enumerate(keys):
+                    memo[k] = tuple(t[i : i + 1] for t in (a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b))
         soft, counts = self._soft_tokens(rows, budgets)
         N = len(groups)
         layouts = [Layout(prompts[i // G], None if a[i] < 0 else int(a[i]), soft[i], suffixes[i // G], [])

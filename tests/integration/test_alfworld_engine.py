@@ -179,3 +179,7 @@ def test_generated_games_have_new_goals_the_expert_wins(tmp_path):
         assert rec["success"] and len(rec["steps"]) >= 2
         last = rec["steps"][-1]["action"]
         assert last.startswith(f"move {obj.lower()} ") and f"to {recep.lower()} " in last + " "
+    # held-out games: tasks generated under an excluded folder are not drawn again
+    left = G.untaken(G.possible_tasks(scene, (5,)), [tmp_path])
+    assert len(left) == len(G.possible_tasks(scene, (5,))) - 1
+    assert all(f"{t.task_type}-{t.obj}-None-{t.recep}" not in games[0].game_id for t in left)

@@ -83,3 +83,14 @@ def test_heldout_steps_and_the_written_data(tmp_path):
     assert read[5].extra == train[5].extra and read[5].history == train[5].history
     assert (tmp_path / "data" / "train.jsonl").read_text().count('"history"') == 1
     assert [e.id for e in load_split(tmp_path / "data", "val")] == [e.id for e in val]
+
+
+def test_the_harness_scores_a_held_out_step_by_its_snapped_action():
+    """evaluate.py on the held-out steps gives the step accuracy the trainer's reward defines."""
+    from elasticmem.eval.runner import gold_and_correct
+    from elasticmem.eval.system import Prediction
+
+    (ex,) = I.trajectory_examples(trajectory("g1", 1), I.cards_history(CARDS))[:1]
+    for text, right in [("take thing 0", True), ("take thing", True), ("go to shelf 2", False), ("", False)]:
+        pred = Prediction(id=ex.id, text=text, prompt_tokens=1, memory_tokens=0, generated_tokens=1)
+        assert gold_and_correct(pred, ex) == ("take thing 0", right) == ("take thing 0", snapped_action_reward(text, ex) == 1.0)

@@ -446,3 +446,26 @@ def test_rollout_memory_does_not_grow_with_answer_length(data, tmp_path):
     # Now: the model's logits, transformers' float32 copy, (sampling) its warped scores and
     # probabilities, and one step's log-softmax.
     assert peak[False, 6] <= peak[False, 2] <= 6 and peak[True, 6] <= peak[True, 2] <= 3, peak
+
+
+def test_greedy_memo_reuses_retrieval_and_budgets_with_the_same_answers(bank):
+    """An agent episode asks with the same prompt at every step: with a memo, the second call
+    reuses the first's control token, memories and budgets (no retrieval time) and answers as
+    a call without the memo does, also in a batch mixing seen and unseen prompts."""
+    bank, examples = bank
+    model = make_model(bank)
+    batch = examples[:3]
+    plain = model.greedy(batch)
+    memo: dict = {}
+    first = model.greedy(batch[:2], memo=memo)
+    assert len(memo) == 2
+    again = model.greedy(batch[:2], memo=memo)
+    assert again.timings["policy"] == 0.0 and again.timings["retrieval"] < first.timings["retrieval"]
+    mixed = model.greedy(batch, memo=memo)  # one unseen prompt: computed for the whole batch
+    assert len(memo) == 3
+    for t in (first, again):
+        assert torch.equal(t.rows, plain.rows[:2]) and torch.equal(t.budgets, plain.budgets[:2])
+        assert t.answers == plain.answers[:2] and t.control.tolist() == plain.control[:2].tolist()
+    assert mixed.answers == plain.answers and torch.equal(mixed.budgets, plain.budgets)
+    with pytest.raises(ValueError, match="memo"):
+        model._rollout(batch, 2, 1.0, greedy=False, memo={})

@@ -162,3 +162,13 @@ def test_cli_refuses_ids_missing_from_the_trajectories(tmp_path):
     (tmp_path / "ids.txt").write_text("g1\nnope\n")
     with pytest.raises(SystemExit, match="1 ids"):
         S.main([str(traj), "--ids", str(tmp_path / "ids.txt"), "--out", str(tmp_path / "c.jsonl")])
+
+
+def test_cli_fallback_backend_writes_every_card_without_an_llm(tmp_path):
+    traj = tmp_path / "t.jsonl"
+    recs = [record("g1"), record("g2")]
+    traj.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    S.main([str(traj), "--out", str(tmp_path / "c.jsonl"), "--backend", "fallback"])
+    cards = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert [c["game_id"] for c in cards] == ["g1", "g2"]
+    assert all(c["fallback"] and c["attempts"] == 0 and c["card"] == S.fallback_card(r) for c, r in zip(cards, recs))

@@ -1,0 +1,160 @@
+"""ALFWorld episodes in evaluate.py (eval.task=alfworld): a trained tiny checkpoint, no_memory and
+text_rag play the sample game in the real engine; tokens, traces and retrieval are checked against
+a replay; 2 processes give the episodes of 1; a rerun resumes.
+
+    pytest tests/integration/test_alfworld_episodes.py
+
+Skips, with the reason, where the alfworld package (the agent extra) or the sample folder is absent.
+The games are the sample game twice, once under valid_seen and once under valid_unseen, so that
+the success rate is reported per split and two processes each get a game.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SHARED_DATA
+from test_evaluate import _records
+from test_train import _env
+
+SAMPLE = SHARED_DATA / "alfworld_sample_game"
+pytestmark = [
+    pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"ALFWorld sample game not found at {SAMPLE} (../shared/data)"),
+    pytest.mark.slow,
+]
+pytest.importorskip("alfworld", reason="alfworld not installed: pip install 'elasticmem[agent]'")
+
+from elasticmem.agent.alfworld_env import AlfworldEnv, build_game_file, find_games  # noqa: E402
+from elasticmem.config import load_config  # noqa: E402
+
+MAX_STEPS = 6
+VARIANTS = "{elasticmem: [], no_memory: [eval.system=no_memory, eval.checkpoint=null], text_rag: [eval.system=text_rag]}"
+
+
+def _overrides(root: Path, *extra: str) -> list[str]:
+    return [f"data.dir={root}/data", f"bank.dir={root}/bank", f"agent.games_dir={root}/games",
+            f"agent.max_steps={MAX_STEPS}", "eval.task=alfworld", "eval.split=valid_seen,valid_unseen", *extra]
+
+
+def _evaluate(root: Path, out: Path, *extra: str, launcher=(sys.executable,), env=None):
+    import subprocess
+
+    args = [*launcher, "evaluate.py", "--config", "configs/alfworld_tiny.yaml", *_overrides(root, *extra),
+            f"eval.output_dir={out}"]
+    p = subprocess.run(args, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Games, the expert's trajectory as a card bank and imitation data, and a checkpoint
+    trained for a few GRPO steps on it."""
+    from elasticmem.agent.imitation import imitation_examples
+    from elasticmem.agent.skill_cards import fallback_card
+    from elasticmem.agent.trajectories import expert_trajectory
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import build_bank
+    from elasticmem.data.schema import load_split, write_examples
+    from elasticmem.grpo.trainer import train
+
+    root = tmp_path_factory.mktemp("episodes")
+    traj = json.loads((SAMPLE / "traj_data.json").read_text())
+    for split in ("valid_seen", "valid_unseen"):
+        build_game_file(SAMPLE, root / "games" / split / "pick_heat_then_place_in_recep-sample" / traj["task_id"])
+    record = expert_trajectory(find_games(root / "games" / "valid_seen")[0])
+    assert record["success"]
+    cards = [{"text": f"[{record['task_type']}] {fallback_card(record)}"},
+             {"text": "[pick_and_place_simple] Task type: pick and place. Objective pattern: put an object "
+                      "in a receptacle.\n1. Go to where the object is.\n2. Take it.\n3. Put it in the receptacle."}]
+    train_ex, val_ex = imitation_examples([record], [record["game_id"]], cards, heldout=0.2)
+    write_examples(root / "data" / "train.jsonl", train_ex)
+    write_examples(root / "data" / "val.jsonl", val_ex)
+    cfg = load_config(ROOT / "configs/alfworld_tiny.yaml", _overrides(root, f"train.output_dir={root}/run",
+                                                                        "train.max_steps=2", "train.eval_split=",
+                                                                        "train.batch_size=4", "train.group_size=4"))
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val")}, load_backbone(cfg.model), cfg.chunking,
+               cfg.bank, torch.float32, show_progress=False)
+    train(cfg)
+    out = root / "eval"
+    _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}")
+    return root, out
+
+
+def test_every_system_plays_each_game_and_reports_success_per_split(setup):
+    root, out = setup
+    comparison = (out / "comparison.md").read_text()
+    for name in ("elasticmem", "no_memory", "text_rag"):
+        res = json.loads((out / name / "results.json").read_text())
+        assert res["num_examples"] == 2 and set(res["per_type_counts"]) == {"valid_seen", "valid_unseen"}
+        assert res["success_rate"] == res["accuracy"] and len(res["success_rate_ci95"]) == 2
+        recs = _records(out / name / "predictions.jsonl")
+        assert [r["id"].split("/")[0] for r in recs] == ["valid_seen", "valid_unseen"]
+        for r in recs:
+            trace = r["extra"]["trace"]
+            assert r["correct"] == r["extra"]["won"] == (r["prediction"] == "won")
+            assert r["extra"]["steps"] == len(trace) and 1 <= len(trace) <= MAX_STEPS
+            assert r["correct"] or len(trace) == MAX_STEPS, "an episode ends on a win or at the step limit"
+            assert r["tokens"]["total"] == sum(r["tokens"][k] for k in ("prompt", "memory", "generated")) > 0
+        assert res["avg_tokens"] == pytest.approx(sum(r["tokens"]["total"] for r in recs) / 2)
+        assert name in comparison
+    no_mem = _records(out / "no_memory" / "predictions.jsonl")
+    assert all(r["tokens"]["memory"] == 0 and not r["retrieved"] for r in no_mem)
+    text = _records(out / "text_rag" / "predictions.jsonl")
+    assert all(r["tokens"]["memory"] > 0 and r["retrieved"][0]["text"].startswith("[") for r in text)
+
+
+def test_an_episode_replays_in_the_engine_and_its_tokens_are_the_sum_of_its_steps(setup):
+    """The trace's actions, played again in a fresh env, give its observations; each step's output
+    is what the system answers to that step's example rebuilt from the trace (greedy, no memo:
+    retrieval once per episode changes nothing), and the episode's tokens are their sum."""
+    from elasticmem.agent.episodes import step_example
+    from elasticmem.agent.imitation import step_fields
+    from elasticmem.eval.systems import build_system
+
+    root, out = setup
+    rec = _records(out / "elasticmem" / "predictions.jsonl")[0]
+    cfg = load_config(ROOT / "configs/alfworld_tiny.yaml", _overrides(root, f"eval.checkpoint={root}/run/final"))
+    system = build_system(cfg)
+    (game,) = find_games(root / "games" / "valid_seen")
+    env = AlfworldEnv(game.path, expert=False, max_steps=MAX_STEPS)
+    obs, past, totals = env.reset(), [], {"prompt": 0, "memory": 0, "generated": 0}
+    assert env.objective == rec["extra"]["objective"]
+    for i, step in enumerate(rec["extra"]["trace"]):
+        ex = step_example(rec["id"], i, env.objective, env.task_type, step_fields(past, obs.text, obs.admissible))
+        (pred,) = system.predict([ex])
+        assert pred.text == step["output"]
+        assert [m.ref for m in pred.retrieved] == [m["ref"] for m in rec["retrieved"]]
+        assert [m.budget for m in pred.retrieved] == rec["budgets"]
+        totals = {"prompt": totals["prompt"] + pred.prompt_tokens, "memory": totals["memory"] + pred.memory_tokens,
+                  "generated": totals["generated"] + pred.generated_tokens}
+        obs = env.step(step["action"])
+        assert obs.text == step["observation"]
+        past.append((step["action"], obs.text))
+    assert obs.won == rec["correct"]
+    assert {k: rec["tokens"][k] for k in totals} == totals
+    # retrieved once: only the first step of an episode spends time on retrieval
+    assert rec["latency"]["retrieval"] > 0
+
+
+def test_two_processes_give_the_episodes_of_one_and_a_rerun_resumes(setup, tmp_path):
+    root, out = setup
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    two = tmp_path / "two"
+    _evaluate(root, two, f"eval.checkpoint={root}/run/final", launcher=launcher, env=_env(ACCELERATE_USE_CPU="1"))
+    parts = sorted(two.glob("predictions.part-*.jsonl"))
+    assert [len(_records(p)) for p in parts] == [1, 1], "each process played one game"
+
+    def exact(r):
+        return {**{k: v for k, v in r.items() if k not in ("latency", "retrieved")},
+                "retrieved": [{k: v for k, v in m.items() if k != "score"} for m in r["retrieved"]]}
+
+    one = _records(out / "elasticmem" / "predictions.jsonl")
+    assert [exact(r) for r in _records(two / "predictions.jsonl")] == [exact(r) for r in one]
+    p = _evaluate(root, two, f"eval.checkpoint={root}/run/final")
+    assert "2 of 2 examples already answered" in p.stderr

@@ -3,8 +3,10 @@
 # sample trial (../shared/data/alfworld_sample_game), the expert's trajectories split 80/20 into
 # skill cards and imitation steps, imitation GRPO, then episodes in the real engine on held-out
 # generated games for ElasticMem, no memory and text RAG with the cards as text
-# (configs/alfworld_cpu.yaml). About 1.5 hours on 2 CPU cores (SmolLM2 plays ~4 s a step). Resumable: run it again after an
-# interruption; finished stages are kept, training and evaluation resume.
+# (configs/alfworld_cpu.yaml). About 1.5 hours on 2 CPU cores (a GRPO step 3-5 min, an episode to
+# the 30-step limit ~2 min, 3.5 with text RAG; N_VALID games are played).
+# Resumable: run it again after an interruption; finished stages are kept, training and
+# evaluation resume.
 #
 #   bash scripts/alfworld_cpu.sh [key=value ...]          # SAMPLE=path/to/trial to use another scene
 #
@@ -18,7 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 EXTRAS=${EXTRAS:-dev,agent} source scripts/setup.sh
 CONFIG=${CONFIG:-configs/alfworld_cpu.yaml}
 SAMPLE=${SAMPLE:-../shared/data/alfworld_sample_game}
-N_TRAIN=${N_TRAIN:-80} N_VALID=${N_VALID:-12}
+N_TRAIN=${N_TRAIN:-80} N_VALID=${N_VALID:-6}
 mapfile -t DIRS < <(python - "$CONFIG" "$@" <<'PY'
 import sys
 from elasticmem.config import load_config

@@ -1,6 +1,7 @@
 """ALFWorld episodes in evaluate.py (eval.task=alfworld): a trained tiny checkpoint, no_memory and
-text_rag play the sample game in the real engine; tokens, traces and retrieval are checked against
-a replay; 2 processes give the episodes of 1; a rerun resumes.
+text_rag play the sample game in the real engine on 2 processes; each episode equals its replay in
+one process, step by step (outputs, actions, observations, retrieval, budgets, tokens); a rerun
+resumes.
 
     pytest tests/integration/test_alfworld_episodes.py
 
@@ -31,7 +32,9 @@ pytest.importorskip("alfworld", reason="alfworld not installed: pip install 'ela
 from elasticmem.agent.alfworld_env import AlfworldEnv, build_game_file, find_games  # noqa: E402
 from elasticmem.config import load_config  # noqa: E402
 
-MAX_STEPS = 6
+MAX_STEPS = 4
+LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 VARIANTS = "{elasticmem: [], no_memory: [eval.system=no_memory, eval.checkpoint=null], text_rag: [eval.system=text_rag]}"
 
 
@@ -81,7 +84,8 @@ def setup(tmp_path_factory):
                cfg.bank, torch.float32, show_progress=False)
     train(cfg)
     out = root / "eval"
-    _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}")
+    _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}", launcher=LAUNCH_2,
+              env=_env(ACCELERATE_USE_CPU="1"))
     return root, out
 
 
@@ -94,6 +98,8 @@ def test_every_system_plays_each_game_and_reports_success_per_split(setup):
         assert res["success_rate"] == res["accuracy"] and len(res["success_rate_ci95"]) == 2
         recs = _records(out / name / "predictions.jsonl")
         assert [r["id"].split("/")[0] for r in recs] == ["valid_seen", "valid_unseen"]
+        parts = sorted((out / name).glob("predictions.part-*.jsonl"))
+        assert [len(_records(p)) for p in parts] == [1, 1], "each of the 2 processes played one game"
         for r in recs:
             trace = r["extra"]["trace"]
             assert r["correct"] == r["extra"]["won"] == (r["prediction"] == "won")
@@ -108,19 +114,21 @@ def test_every_system_plays_each_game_and_reports_success_per_split(setup):
     assert all(r["tokens"]["memory"] > 0 and r["retrieved"][0]["text"].startswith("[") for r in text)
 
 
-def test_an_episode_replays_in_the_engine_and_its_tokens_are_the_sum_of_its_steps(setup):
-    """The trace's actions, played again in a fresh env, give its observations; each step's output
-    is what the system answers to that step's example rebuilt from the trace (greedy, no memo:
-    retrieval once per episode changes nothing), and the episode's tokens are their sum."""
+@pytest.mark.parametrize("split", ["valid_seen", "valid_unseen"])
+def test_each_episode_of_two_processes_replays_in_one_and_its_tokens_are_the_sum_of_its_steps(setup, split):
+    """The trace's actions, played again in a fresh env in this process, give its observations;
+    each step's output is what the system answers here to that step's example rebuilt from the
+    trace (greedy, no memo: retrieving once per episode changes nothing), and the episode's
+    tokens are their sum: the 2-process evaluation played each game as one process does."""
     from elasticmem.agent.episodes import step_example
     from elasticmem.agent.imitation import step_fields
     from elasticmem.eval.systems import build_system
 
     root, out = setup
-    rec = _records(out / "elasticmem" / "predictions.jsonl")[0]
+    (rec,) = [r for r in _records(out / "elasticmem" / "predictions.jsonl") if r["id"].startswith(split)]
     cfg = load_config(ROOT / "configs/alfworld_tiny.yaml", _overrides(root, f"eval.checkpoint={root}/run/final"))
     system = build_system(cfg)
-    (game,) = find_games(root / "games" / "valid_seen")
+    (game,) = find_games(root / "games" / split)
     env = AlfworldEnv(game.path, expert=False, max_steps=MAX_STEPS)
     obs, past, totals = env.reset(), [], {"prompt": 0, "memory": 0, "generated": 0}
     assert env.objective == rec["extra"]["objective"]
@@ -141,20 +149,9 @@ def test_an_episode_replays_in_the_engine_and_its_tokens_are_the_sum_of_its_step
     assert rec["latency"]["retrieval"] > 0
 
 
-def test_two_processes_give_the_episodes_of_one_and_a_rerun_resumes(setup, tmp_path):
+def test_a_rerun_resumes_every_variant_without_playing_again(setup):
     root, out = setup
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
-    two = tmp_path / "two"
-    _evaluate(root, two, f"eval.checkpoint={root}/run/final", launcher=launcher, env=_env(ACCELERATE_USE_CPU="1"))
-    parts = sorted(two.glob("predictions.part-*.jsonl"))
-    assert [len(_records(p)) for p in parts] == [1, 1], "each process played one game"
-
-    def exact(r):
-        return {**{k: v for k, v in r.items() if k not in ("latency", "retrieved")},
-                "retrieved": [{k: v for k, v in m.items() if k != "score"} for m in r["retrieved"]]}
-
-    one = _records(out / "elasticmem" / "predictions.jsonl")
-    assert [exact(r) for r in _records(two / "predictions.jsonl")] == [exact(r) for r in one]
-    p = _evaluate(root, two, f"eval.checkpoint={root}/run/final")
-    assert "2 of 2 examples already answered" in p.stderr
+    before = {n: (out / n / "predictions.jsonl").read_text() for n in ("elasticmem", "no_memory", "text_rag")}
+    p = _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}")
+    assert p.stderr.count("2 of 2 examples already answered") == 3
+    assert before == {n: (out / n / "predictions.jsonl").read_text() for n in before}

@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             from elasticmem.agent.episodes import game_examples
 
             splits = [s.strip() for s in cfg.eval.split.split(",") if s.strip()]
-            examples, games = game_examples(cfg.agent.games_dir, splits)
+            try:
+                examples, games = game_examples(cfg.agent.games_dir, splits)
+            except ValueError as e:  # no games folder configured, no split, or a folder without games
+                raise ConfigError(str(e)) from None
         else:
             examples = load_split(cfg.data.dir, cfg.eval.split)
         if cfg.eval.limit > 0:

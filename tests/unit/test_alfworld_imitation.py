@@ -94,3 +94,20 @@ def test_the_harness_scores_a_held_out_step_by_its_snapped_action():
     for text, right in [("take thing 0", True), ("take thing", True), ("go to shelf 2", False), ("", False)]:
         pred = Prediction(id=ex.id, text=text, prompt_tokens=1, memory_tokens=0, generated_tokens=1)
         assert gold_and_correct(pred, ex) == ("take thing 0", right) == ("take thing 0", snapped_action_reward(text, ex) == 1.0)
+
+
+def test_evaluate_refuses_missing_or_empty_game_folders_with_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("evaluate_cli", ROOT / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    (tmp_path / "valid").mkdir()
+    base = ["--config", str(ROOT / "configs/alfworld_tiny.yaml"), "eval.task=alfworld", "eval.split=valid"]
+    for games, why in [(tmp_path / "missing", "no ALFWorld game folder"), (tmp_path, "no playable ALFWorld game"),
+                       ("", "set agent.games_dir, or ALFWORLD_DATA")]:
+        assert evaluate.main([*base, f"agent.games_dir={games}"]) == 2
+        assert why in capsys.readouterr().err

@@ -478,9 +478,11 @@ class ElasticMem(nn.Module):
         *_, rows, scores, _ = self._query_and_retrieve(batch, 1, greedy)
         return rows, scores
 
-    def _query_and_retrieve(self, batch: Sequence[Example], G: int, greedy: bool):
-        """Steps 1-2 of a rollout: prompt ids, suffix ids, groups [N], a, log pi(a), h, rows, scores, mask."""
-        texts = [self.encode_texts(ex) for ex in batch]
+    def _query_and_retrieve(self, batch: Sequence[Example], G: int, greedy: bool,
+                            texts: list[tuple[list[int], list[int]]] | None = None):
+        """Steps 1-2 of a rollout: prompt ids, suffix ids, groups [N], a, log pi(a), h, rows, scores, mask.
+        ``texts``: the batch's ``encode_texts``, when the caller has them already."""
+        texts = texts if texts is not None else [self.encode_texts(ex) for ex in batch]
         prompts, suffixes = [t[0] for t in texts], [t[1] for t in texts]
         a, logp_a, h = self._query_states(prompts, [ex.question for ex in batch], G, greedy)
         groups = [ex.group for ex in batch for _ in range(G)]
@@ -615,17 +617,18 @@ class ElasticMem(nn.Module):
         if memo is not None and not (greedy and G == 1 and include_rows is None and budgets == "policy"):
             raise ValueError("memo is for greedy rollouts with the policy's budgets and no include_rows")
         t0 = time.perf_counter()
-        keys = None
+        keys = texts = None
         if memo is not None:
-            keys = [(tuple(self.encode_texts(ex)[0]), ex.group) for ex in batch]
-        if keys is not None and all(k in memo for k in keys):
             texts = [self.encode_texts(ex) for ex in batch]
+            keys = [(tuple(t[0]), ex.group) for t, ex in zip(texts, batch)]
+        if keys is not None and all(k in memo for k in keys):
             prompts, suffixes, groups = [t[0] for t in texts], [t[1] for t in texts], [ex.group for ex in batch]
             a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b = (
                 torch.cat(parts) for parts in zip(*(memo[k] for k in keys)))
             t1 = t2 = time.perf_counter()
         else:
-            prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy)
+            prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy,
+                                                                                                   texts)
             rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
             t1 = time.perf_counter()
             h_pol = h.detach() if self.cfg.detach_policy_inputs else h

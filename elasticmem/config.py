@@ -377,7 +377,7 @@ class TrainConfig:
     log_rollouts: int = 2
     """Sample rollouts written as text to rollouts.jsonl per log step."""
     save_every: int = 50
-    """Checkpoint every N rollout steps (and at the end, and on Ctrl-C / SIGTERM)."""
+    """Checkpoint every N rollout steps (and at the end, and on Ctrl-C / SIGTERM); 0 = only then."""
     keep_last: int = 3
     """Checkpoints kept (older ones are deleted)."""
     resume: bool = True
@@ -499,12 +499,14 @@ class WarmupConfig:
     memory.policy.max_budget each; 'uniform' = a uniform draw in 1..max_budget each, so the
     reasoner learns to read any budget GRPO's policy may later give; 'policy' = the untrained
     budget policy's samples. The policy itself is not trained here."""
-    target: Literal["letter", "value_letter"] = "letter"
+    target: Literal["letter", "value_letter", "answer"] = "letter"
     """What the answer steps teach the reasoner to say: 'letter' = "(b)"; 'value_letter' = the
     option's text then its letter, "amber (b)" (the reward still reads the letter): the value
     is copied from the memory and its letter from the options, two copies a pretrained LM makes
-    readily, instead of one jump from memory to letter. Needs memory.max_new_tokens >= the
-    longest such answer + 1 (checked)."""
+    readily, instead of one jump from memory to letter; 'answer' = the example's answer_text
+    (free-form answers; behaviour cloning of an expert's actions on ALFWorld imitation data).
+    'value_letter' and 'answer' need memory.max_new_tokens >= the longest such answer + 1
+    (checked)."""
     evidence: bool = True
     """Where the data records evidence, put the evidence chunks among the retrieved memories
     (replacing the lowest-ranked others, then ordered by score as retrieval orders them), so
@@ -569,8 +571,8 @@ class WarmupConfig:
         _require(self.steps + self.reconstruct_steps + self.align_steps >= 1,
                  "warmup.steps + warmup.reconstruct_steps + warmup.align_steps must be >= 1")
         _require(self.lr > 0 and self.warmup_steps >= 0, "lr must be > 0 and warmup_steps >= 0")
-        _require(self.target in ("letter", "value_letter"),
-                 f"target must be 'letter' or 'value_letter', got {self.target!r}")
+        _require(self.target in ("letter", "value_letter", "answer"),
+                 f"target must be 'letter', 'value_letter' or 'answer', got {self.target!r}")
         _require(self.budgets in ("max", "uniform", "policy"),
                  f"budgets must be 'max', 'uniform' or 'policy', got {self.budgets!r}")
         _require(self.retrieval_weight >= 0, f"retrieval_weight must be >= 0, got {self.retrieval_weight}")

@@ -93,6 +93,10 @@ class CardSettings:
     max_steps: int = 6
     retries: int = 2
     """Further attempts (seeds 1, 2, ...) for a card that breaks a rule, before the fallback."""
+    no_repeat_ngram: int = 0
+    """A local model (``--backend transformers``) may not write an n-gram of this many tokens
+    that is already in the prompt or the card: no loops, no copied spans of the trajectory or
+    the worked example. 0 = off (servers ignore it)."""
 
 
 def trajectory_text(record: dict[str, Any], max_chars: int = 6000) -> str:
@@ -134,7 +138,8 @@ def card_request(record: dict[str, Any], s: CardSettings) -> GenRequest:
                                objective=record["objective"], trajectory=trajectory_text(record, s.max_chars),
                                min_steps=steps.min_items, max_steps=steps.max_items, example=json.dumps(EXAMPLE))
     return GenRequest([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-                      max_new_tokens=s.max_new_tokens, schema=schema, kind="skill_card")
+                      max_new_tokens=s.max_new_tokens, schema=schema, kind="skill_card",
+                      no_repeat_ngram=s.no_repeat_ngram)
 
 
 def render_card(value: dict[str, Any]) -> str:
@@ -213,7 +218,10 @@ def fallback_card(record: dict[str, Any]) -> str:
 
 def card_key(request: GenRequest, s: CardSettings, model: str) -> str:
     """The cache key of a card: a hash of the model, the request and the settings."""
-    blob = json.dumps({"model": model, "messages": request.messages, "settings": asdict(s)}, sort_keys=True)
+    settings = asdict(s)
+    if not settings["no_repeat_ngram"]:  # off: the keys of caches written before the setting existed
+        del settings["no_repeat_ngram"]
+    blob = json.dumps({"model": model, "messages": request.messages, "settings": settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -534,7 +534,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     _append_jsonl(metrics_path, {"step": step, "eval": ev})
             stop_now = bool(acc.reduce(torch.tensor(float(stop.set), device=acc.device), reduction="sum") > 0)
             stop_now |= t.stop_after_steps > 0 and step - first_step >= t.stop_after_steps and step < total
-            if step % t.save_every == 0 or step == total or stop_now:
+            if (t.save_every and step % t.save_every == 0) or step == total or stop_now:
                 save_checkpoint()
             if stop_now:
                 bar.close()

@@ -49,11 +49,21 @@ def option_target(tokenizer, eos_ids: Sequence[int], example: Example, max_new_t
 
     'letter': "(b)" then the end-of-turn token, else "b" then it, whichever first fits in
     ``max_new_tokens``; else "b" cut to fit (no end). 'value_letter': "amber (b)" then the
-    end-of-turn token; ValueError when that does not fit."""
+    end-of-turn token; ValueError when that does not fit. 'answer': the example's
+    ``answer_text`` (free-form answers, an expert's action) then the end-of-turn token;
+    ValueError when that does not fit."""
     from elasticmem.grpo.rewards import mc_letter_reward
 
-    letter = chr(ord("a") + example.answer_index)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]
+    if target == "answer":
+        if not example.answer_text:
+            raise ValueError(f"warmup.target=answer: example {example.id} has no answer_text")
+        ids = tokenizer(example.answer_text, add_special_tokens=False)["input_ids"]
+        if len(ids) + 1 > max_new_tokens:
+            raise ValueError(f"warmup.target=answer: {example.answer_text!r} takes {len(ids) + 1} tokens with the "
+                             f"end of turn (example {example.id}); raise memory.max_new_tokens to at least that")
+        return ids + [eos]
+    letter = chr(ord("a") + example.answer_index)
     if target == "value_letter":
         text = f"{example.choices[example.answer_index]} ({letter})"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -62,7 +72,7 @@ def option_target(tokenizer, eos_ids: Sequence[int], example: Example, max_new_t
                              f"turn (example {example.id}); raise memory.max_new_tokens to at least that")
         return ids + [eos]
     if target != "letter":
-        raise ValueError(f"target must be 'letter' or 'value_letter', got {target!r}")
+        raise ValueError(f"target must be 'letter', 'value_letter' or 'answer', got {target!r}")
     for text in (f"({letter})", letter):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) + 1 <= max_new_tokens and mc_letter_reward(tokenizer.decode(ids), example) == 1.0:

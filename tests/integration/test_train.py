@@ -172,6 +172,11 @@ def test_resume_refuses_other_settings_and_keeps_the_saved_config(tiny_setup, tm
     result = train(_cfg(tiny_setup, out, "train.max_steps=3", "train.save_every=2", "train.eval_split=val",
                         "train.eval_limit=8"))
     assert result["steps"] == 3 and [r["step"] for r in _metrics(out) if "eval" not in r] == [1, 2, 3]
+    # save_every=0: a checkpoint at the end only
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert train(_cfg(tiny_setup, out, "train.max_steps=5", "train.save_every=0", "train.eval_split="))["steps"] == 5
+    after = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert set(after) - set(before) == {"step_000005"}
 
 
 def test_nonfinite_loss_skips_the_update(tiny_setup, tmp_path, monkeypatch):

@@ -611,3 +611,31 @@ def test_run_locomo_writes_the_per_category_tables(tmp_path):
     assert summary["amem"]["build"]["notes_added"] == 35
     assert summary["data"]["skipped_outside_memory"]["qa"] > 100  # evidence in later sessions
     assert (tmp_path / "store" / "conv-26" / "manifest.json").is_file()
+
+
+def test_no_repeat_ngram_decoding_equals_transformers_own(tiny_backbone, one_thread):
+    """The backend's n-gram ban (free rows, batched with left padding) gives transformers'
+    ``generate(no_repeat_ngram_size=n)`` greedy output row by row; a random model loops, so the
+    ban decides many tokens. Constrained rows keep valid JSON under the ban."""
+    import torch
+
+    from elasticmem.baselines.amem.llm import TransformersBackend
+
+    model, tok = tiny_backbone.model, tiny_backbone.tokenizer
+    backend = TransformersBackend(model, tok, batch_size=2)
+    msgs = [[{"role": "user", "content": "cat dog cat"}], [{"role": "user", "content": "the memory of a long day " * 3}]]
+    for n in (2, 3):
+        outs = backend.generate([GenRequest(m, 24, no_repeat_ngram=n) for m in msgs])
+        for m, o in zip(msgs, outs):
+            ids = tok(backend.render(m), add_special_tokens=False, return_tensors="pt").input_ids
+            with torch.no_grad():
+                ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                     no_repeat_ngram_size=n, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+            ref = [t for t in ref.tolist() if t != tok.eos_token_id]
+            assert o.text == tok.decode(ref, skip_special_tokens=True) and o.completion_tokens == len(ref)
+    plain = backend.generate([GenRequest(msgs[1], 24)])[0].text
+    assert plain != backend.generate([GenRequest(msgs[1], 24, no_repeat_ngram=2)])[0].text  # the ban acts
+    cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
+    schema = prompts.note_schema(cfg)
+    (o,) = backend.generate([GenRequest(prompts.note_messages("cat dog", "today"), 400, schema, no_repeat_ngram=3)])
+    assert accepts(schema, o.text) and schema.validate(json.loads(o.text)) == []

@@ -172,3 +172,17 @@ def test_cli_fallback_backend_writes_every_card_without_an_llm(tmp_path):
     cards = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert [c["game_id"] for c in cards] == ["g1", "g2"]
     assert all(c["fallback"] and c["attempts"] == 0 and c["card"] == S.fallback_card(r) for c, r in zip(cards, recs))
+
+
+def test_the_ngram_ban_reaches_the_request_and_the_cache_key():
+    import hashlib
+    from dataclasses import asdict
+
+    off, on = S.CardSettings(), S.CardSettings(no_repeat_ngram=3)
+    req_off, req_on = S.card_request(record(), off), S.card_request(record(), on)
+    assert (req_off.no_repeat_ngram, req_on.no_repeat_ngram) == (0, 3) and req_off.messages == req_on.messages
+    # off: the key a cache written before the setting existed holds
+    old = {k: v for k, v in asdict(off).items() if k != "no_repeat_ngram"}
+    blob = json.dumps({"model": "m", "messages": req_off.messages, "settings": old}, sort_keys=True)
+    assert S.card_key(req_off, off, "m") == hashlib.sha256(blob.encode()).hexdigest()
+    assert S.card_key(req_on, on, "m") != S.card_key(req_off, off, "m")

@@ -78,6 +78,27 @@ def test_option_target_parses_back_to_the_gold_letter(bank):
             option_target(model.tokenizer, model.eos_ids, ex, 2, "value_letter")
 
 
+def test_answer_target_is_the_answer_text_then_the_end_of_turn(bank):
+    """warmup.target=answer (behaviour cloning of an expert's action): the answer text's tokens,
+    then the end of turn; refused when it does not fit or there is none."""
+    import dataclasses
+
+    from elasticmem.grpo.rewards import get_reward
+
+    bank, examples = bank
+    model = make_model(bank)
+    ex = dataclasses.replace(examples[0], choices=[], answer_index=-1, answer_text="take apple 1 from countertop 2",
+                             extra={"admissible_commands": ["go to fridge 1", "take apple 1 from countertop 2"]})
+    ids = option_target(model.tokenizer, model.eos_ids, ex, 32, "answer")
+    assert ids[:-1] == model.tokenizer(ex.answer_text, add_special_tokens=False)["input_ids"]
+    assert ids[-1] in model.eos_ids
+    assert get_reward("snapped_action")(model.tokenizer.decode(ids[:-1]), ex) == 1.0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        option_target(model.tokenizer, model.eos_ids, ex, len(ids) - 1, "answer")
+    with pytest.raises(ValueError, match="no answer_text"):
+        option_target(model.tokenizer, model.eos_ids, dataclasses.replace(ex, answer_text=None), 32, "answer")
+
+
 def test_evidence_rows_are_put_among_the_retrieved_ones_in_score_order(bank):
     bank, examples = bank
     model = make_model(bank, retrieval="control", top_z=2)

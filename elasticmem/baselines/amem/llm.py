@@ -53,6 +53,12 @@ class GenRequest:
     """Free text only: the answer is cut at the first of these strings."""
     kind: str = "text"
     """What the call is for (note, decision, expansion, answer): the statistics are kept per kind."""
+    no_repeat_ngram: int = 0
+    """Local decoding only (``TransformersBackend``): no token may complete an n-gram of this many
+    tokens that is already in the prompt or the answer (transformers' ``no_repeat_ngram_size``),
+    so a small model can neither loop on a phrase nor copy a span of the prompt; JSON structure
+    the schema forces, or needs where every valid token is banned, is exempt. 0 = off. Servers
+    ignore it."""
 
 
 @dataclass
@@ -305,6 +311,31 @@ class _Row:
     """Ended on its own (EOS, a stop string, a complete JSON answer)."""
     closed: bool = False
     """No more tokens: finished, or the budget ran out (then only EOS is allowed)."""
+    ngrams: _NgramBan | None = None
+    """The n-grams this row may not repeat (``GenRequest.no_repeat_ngram``), or None."""
+
+
+class _NgramBan:
+    """The tokens that would complete an n-gram already seen (prompt and answer so far)."""
+
+    def __init__(self, n: int, tokens: Sequence[int]):
+        self.n = n
+        self.seen: dict[tuple[int, ...], set[int]] = {}
+        self.tokens: list[int] = []
+        for t in tokens:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) >= self.n:
+            gram = self.tokens[-self.n:]
+            self.seen.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+
+    def banned(self) -> set[int]:
+        """Tokens that may not come next."""
+        if self.n == 1:
+            return self.seen.get((), set())
+        return self.seen.get(tuple(self.tokens[-(self.n - 1):]), set()) if len(self.tokens) >= self.n - 1 else set()
 
 
 class _TokenChooser:
@@ -337,7 +368,7 @@ class _TokenChooser:
         probs = torch.softmax(logits[cand].float() / self.temperature, dim=-1)
         return candidates[int(torch.multinomial(probs, 1, generator=self.generator))]
 
-    def _allowed(self, m: Matcher, logits: torch.Tensor) -> list[int]:
+    def _allowed(self, m: Matcher, logits: torch.Tensor, banned: set[int] = frozenset()) -> list[int]:
         """Valid next tokens of a constrained row, best first (1 when greedy)."""
         want = self.SAMPLE_CANDIDATES if self.temperature > 0 else 1
         first = m.allowed_first()
@@ -345,7 +376,7 @@ class _TokenChooser:
 
         def scan(order: torch.Tensor) -> None:
             for tok in order.tolist():
-                if not self.vocab.usable[tok]:
+                if not self.vocab.usable[tok] or tok in banned:
                     continue
                 trial = m.copy()
                 if trial.feed(self.vocab.texts[tok]):
@@ -368,7 +399,11 @@ class _TokenChooser:
     def next_tokens(self, row: _Row, logits: torch.Tensor) -> list[int]:
         """Tokens to append to ``row`` (EOS closes it); updates the row."""
         m = row.matcher
+        banned = row.ngrams.banned() if row.ngrams is not None else set()
         if m is None:
+            if banned:
+                logits = logits.clone()
+                logits[list(banned)] = float("-inf")
             tok = self._pick(logits, torch.topk(logits, min(self.SAMPLE_CANDIDATES, logits.numel())).indices.tolist()
                              if self.temperature > 0 else [int(torch.argmax(logits))])
             self._take(row, [tok])
@@ -377,7 +412,9 @@ class _TokenChooser:
         forced = m.forced(space=self.vocab.has_space).rstrip(" ")
         toks = self._forced_tokens(forced) if forced else None
         if toks is None:
-            allowed = self._allowed(m, logits)
+            allowed = self._allowed(m, logits, banned)
+            if not allowed and banned:  # the schema needs a banned token (structure): it wins
+                allowed = self._allowed(m, logits)
             if not allowed:  # no token of the vocabulary continues the answer: stop it here
                 row.closed = True
                 return [self.eos_id]
@@ -394,6 +431,8 @@ class _TokenChooser:
                 return
             text = self.vocab.texts[tok]
             row.tokens.append(tok)
+            if row.ngrams is not None:
+                row.ngrams.add(tok)
             row.text += text
             if row.matcher is not None:
                 if not row.matcher.feed(text):  # cannot happen: only matching tokens are chosen
@@ -463,6 +502,9 @@ class TransformersBackend:
             rows.append(_Row(budget=r.max_new_tokens, matcher=matcher, stops=tuple(r.stop)))
         dev = self.model.device
         enc = self.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        for row, r, row_ids, row_mask in zip(rows, requests, enc["input_ids"], enc["attention_mask"]):
+            if r.no_repeat_ngram > 0:
+                row.ngrams = _NgramBan(r.no_repeat_ngram, row_ids[row_mask.bool()].tolist())
         ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
         prompt_tokens = mask.sum(dim=1).tolist()
         next_pos = mask.sum(dim=1)  # position of each row's next real token

@@ -3,6 +3,8 @@
     python build_bank.py --config configs/quickstart.yaml [key=value ...]
     python build_bank.py --help                    # every config key, documented
     accelerate launch --num_processes 2 build_bank.py --config ...   # shards split across processes
+    python build_bank.py --config ... bank.part=K/N   # part K of N (a job-array task), then once
+    python build_bank.py --config ...                  # without bank.part: the merge (the manifest)
 
 An interrupted build resumes where it stopped when run again with the same
 settings. The bank folder layout is documented in DESIGN.md section 3.1.
@@ -38,11 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         result = build_bank(examples, backbone, cfg.chunking, cfg.bank, cache_dtype, state=state)
         if not state.is_main_process:
             return 0
+        if result.status.startswith("part"):
+            print(f"bank {result.bank_dir}: {result.status} done ({result.shards_encoded} shard(s) encoded in "
+                  f"{result.seconds:.1f} s); when every part is done, run build_bank.py without bank.part to "
+                  f"write the manifest")
+            return 0
         save(cfg, result.bank_dir / "config.yaml")
         bank = Bank.open(result.bank_dir, expect_fingerprint=backbone.fingerprint, verify=cfg.bank.verify)
         if cfg.bank.index.type in ("ivf", "hnsw"):
             build_index(bank, cfg.bank.index, cfg.seed)  # built and saved now, not at first training step
-    except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError) as e:
+    except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError, ValueError) as e:
         print(f"build_bank.py: error: {e}", file=sys.stderr)
         return 2
     lens = [c["n_tokens"] for c in bank.chunks()]

@@ -145,6 +145,12 @@ class BankConfig:
     """Which splits' histories go into the bank."""
     overwrite: bool = False
     """Rebuild from scratch even if the folder holds a finished or different bank."""
+    part: str = ""
+    """'K/N': encode only part K (0-based) of N, the shards i with i % N == K, and stop without
+    writing the manifest: one task of a job array (slurm/build_bank.sbatch, docs/cluster.md).
+    Parts may run at once and on several nodes (the folder is prepared under a file lock, so it
+    must be on a file system with working flock). A later run without it finds every shard
+    encoded and writes the manifest (the merge). '' = the whole build."""
     verify: bool = False
     """After building (or when the bank already exists), re-hash every shard against the manifest."""
     index: IndexConfig = field(default_factory=IndexConfig)
@@ -167,6 +173,21 @@ class BankConfig:
     embeddings, -1 = the final layer after the norm: the paper). A departure for small reasoners:
     a middle layer's states keep more of their own tokens than the final layer's, which are shaped
     to predict the next token (README "Training recipe" has the measurement). Keys are unaffected."""
+
+    def __post_init__(self) -> None:
+        if self.part:
+            k, sep, n = self.part.partition("/")
+            _require(sep == "/" and k.isdigit() and n.isdigit() and int(k) < int(n),
+                     f"part must be 'K/N' with 0 <= K < N (e.g. '0/4'), got {self.part!r}")
+            _require(not self.overwrite, "part and overwrite together would let each part wipe the others' "
+                     "shards: delete the folder first instead")
+
+    def part_index(self) -> tuple[int, int] | None:
+        """(K, N) of ``part``, or None for the whole build."""
+        if not self.part:
+            return None
+        k, _, n = self.part.partition("/")
+        return int(k), int(n)
 
 
 @dataclass

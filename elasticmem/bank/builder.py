@@ -35,12 +35,15 @@ older version) records it without encoding anything.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -420,6 +423,19 @@ def _prepare_dir(out: Path, plan: Plan, overwrite: bool, is_main: bool) -> str:
     return "fresh"
 
 
+@contextlib.contextmanager
+def _dir_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on the folder itself (a lock file inside would be wiped by a fresh
+    build's cleanup while held)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _write_chunks(out: Path, plan: Plan) -> None:
     lines = []
     for row, (c, ids) in enumerate(zip(plan.chunks, plan.token_ids)):
@@ -466,10 +482,19 @@ def build_bank(
 
     ``state`` is an ``accelerate.PartialState`` (or anything with ``process_index``,
     ``num_processes``, ``is_main_process``, ``wait_for_everyone()``); None = one process.
+    With ``bank_cfg.part`` = 'K/N' this call is one of N independent jobs (no shared barrier):
+    it prepares the folder under a file lock, encodes the shards i % N == K and returns with
+    status 'part K/N'; a later call without ``part`` writes the manifest.
     """
     t0 = time.perf_counter()
+    part = bank_cfg.part_index()
+    if part is not None and state is not None and state.num_processes > 1:
+        raise ValueError("bank.part splits a build over separate jobs (a job array); with accelerate launch the "
+                         "processes already split it: drop one of the two")
     rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
-    is_main = rank == 0
+    if part is not None:
+        rank, world = part
+    is_main = rank == 0 and part is None
     barrier = state.wait_for_everyone if state is not None else (lambda: None)
     out = Path(bank_cfg.dir)
     encoder = {
@@ -489,16 +514,25 @@ def build_bank(
         backbone.hidden_size, str(cache_dtype).removeprefix("torch."),
     )
     num_tokens = sum(len(t) for t in plan.token_ids)
-    # Every process inspects the folder before anyone changes it, then the main one prepares it.
-    status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=False) if not is_main else None
-    barrier()
-    if is_main:
-        status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=True)
-        if status != "done":
-            _write_chunks(out, plan)
-        else:
-            _record_fingerprints(out, plan)
-    barrier()
+    if part is not None:
+        # Parts start in any order: whichever takes the lock first prepares the folder, the
+        # others find it prepared for the same plan ('resume').
+        out.mkdir(parents=True, exist_ok=True)
+        with _dir_lock(out):
+            status = _prepare_dir(out, plan, overwrite=False, is_main=True)
+            if status == "fresh" or (status == "resume" and not (out / CHUNKS).is_file()):
+                _write_chunks(out, plan)
+    else:
+        # Every process inspects the folder before anyone changes it, then the main one prepares it.
+        status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=False) if not is_main else None
+        barrier()
+        if is_main:
+            status = _prepare_dir(out, plan, bank_cfg.overwrite, is_main=True)
+            if status != "done":
+                _write_chunks(out, plan)
+            else:
+                _record_fingerprints(out, plan)
+        barrier()
     if status == "done":
         return BuildResult(out, "already built", len(plan.chunks), len(plan.groups), num_tokens, 0,
                            time.perf_counter() - t0)
@@ -507,7 +541,7 @@ def build_bank(
     todo = [i for i in mine if _done_record(out, i) is None]
     rows_todo = sum(plan.shard_bounds[i][1] - plan.shard_bounds[i][0] for i in todo)
     decoder = backbone.model.get_decoder()
-    bar = tqdm(total=rows_todo, desc="encoding chunks", unit="chunk", disable=not (show_progress and is_main),
+    bar = tqdm(total=rows_todo, desc="encoding chunks", unit="chunk", disable=not (show_progress and (is_main or part is not None)),
                file=sys.stderr, dynamic_ncols=True)
     for i in todo:
         a, b = plan.shard_bounds[i]
@@ -519,6 +553,9 @@ def build_bank(
         )
         _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()
+    if part is not None:
+        return BuildResult(out, f"part {rank}/{world}", len(plan.chunks), len(plan.groups), num_tokens,
+                           len(todo), time.perf_counter() - t0)
     barrier()
 
     if is_main:

@@ -122,3 +122,42 @@ def test_smollm2_keys_and_caches_equal_transformers(tmp_path, smollm2_backbone):
         assert cache_len[row] == c
         assert (cache[row, 20 - c :] - H[L - c :]).abs().max() < 1e-4
         assert (cache[row, : 20 - c] == 0).all()
+
+
+def assert_same_bank_files(one, two) -> None:
+    """Every file of two bank folders byte for byte, except what says how they were built:
+    config.yaml (it names its folder) and the manifest's ``build`` record (processes, which one
+    wrote each shard)."""
+    names = sorted(p.name for p in one.iterdir() if p.name != "config.yaml")
+    assert names == sorted(p.name for p in two.iterdir() if p.name != "config.yaml") and ".build" not in names
+    assert "manifest.json" in names and "chunks.jsonl" in names and any(n.startswith("shard-") for n in names)
+    for name in names:
+        if name == "manifest.json":
+            continue
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    m1, m2 = (json.loads((d / "manifest.json").read_text()) for d in (one, two))
+    for m in (m1, m2):
+        for k in ("num_processes", "shard_writers"):
+            m["build"].pop(k)
+    assert m1 == m2
+
+
+def test_parts_built_at_once_then_merged_equal_a_one_process_build(tmp_path, tiny_data):
+    """bank.part=K/N (job-array tasks, here 3 processes started together) then a plain run (the
+    merge) gives the bank a single process builds, byte for byte."""
+    common = ["build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}", "bank.shard_rows=8"]
+    _run([sys.executable, *common, f"bank.dir={tmp_path}/one"])
+    parts = tmp_path / "parts"
+    procs = [subprocess.Popen([sys.executable, *common, f"bank.dir={parts}", f"bank.part={k}/3"], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(3)]
+    for k, p in enumerate(procs):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0 and f"part {k}/3 done" in out, err[-3000:]
+    assert not (parts / "manifest.json").exists()
+    merged = _run([sys.executable, *common, f"bank.dir={parts}"])
+    assert "(resumed" in merged.stdout and "0 shard(s) encoded" in merged.stdout
+    assert set(Bank.open(parts, verify=True).manifest["build"]["shard_writers"]) == {0, 1, 2}
+    assert_same_bank_files(tmp_path / "one", parts)
+    bad = _run([sys.executable, *common, f"bank.dir={tmp_path}/x", "bank.part=3/3"], check=False)
+    assert bad.returncode == 2 and "0 <= K < N" in bad.stderr

@@ -1,0 +1,259 @@
+"""The repository's sbatch scripts under a real SLURM scheduler (one node, brought up here).
+
+    pytest tests/integration/test_slurm.py
+
+A one-node cluster (munged, slurmctld, slurmd with a slurm.conf in a temporary folder, on free
+ports) is started for the module and taken down by PID at its end. Then:
+
+- ``slurm/train.sbatch`` with 2 processes on the tiny preset (waited for to COMPLETED) trains exactly
+  as a 2-process ``accelerate launch`` replaying the rollouts the job recorded;
+- a training job that gets SIGTERM (``scancel --signal=TERM``, what SLURM sends before a time
+  limit or a preemption) writes a checkpoint; the same sbatch command resumes it to the
+  parameters of the uninterrupted job;
+- ``slurm/build_bank.sbatch`` as a 2-task job array, then a merge job that depends on it
+  (``--dependency=afterok``), gives the bank one process builds, byte for byte.
+
+Needs Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them when missing) and root
+(munged runs as user munge, the daemons as root). Without them the tests skip and say why;
+``ELASTICMEM_REQUIRE_SLURM=1`` turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from test_build_bank_cli import assert_same_bank_files
+from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
+from test_train_distributed import LAUNCH_2, _assert_same_rows
+
+from elasticmem.utils import checkpointing as ckpt
+
+TOOLS = ("sbatch", "scancel", "squeue", "sinfo", "slurmctld", "slurmd", "munged", "munge")
+# 12 short steps: long enough for a signal to land mid-run, checkpoints every 4
+TRAIN = ("train.max_steps=12", "train.save_every=4", "train.eval_split=", "train.group_size=4",
+         "train.warmup_steps=0", "memory.top_z=2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _why_not() -> str | None:
+    missing = [t for t in TOOLS if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").is_file()]
+    if missing:
+        return f"SLURM tools not installed: {', '.join(missing)} (apt-get install slurm-wlm munge; .ci/run does)"
+    if os.geteuid() != 0:
+        return "a local SLURM needs root here (munged as user munge, slurmctld and slurmd as root)"
+    return None
+
+
+class Cluster:
+    """A one-node SLURM: its environment (SLURM_CONF) and the daemons' processes."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
+        self.procs: list[subprocess.Popen] = []
+        self.munged_pid: int | None = None
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
+
+    def run(self, *args: str, env: dict | None = None, check: bool = True, timeout: float = 600):
+        p = subprocess.run(args, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                           timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{args} exited {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}\n{self.logs()}")
+        return p
+
+    def wait_gone(self, job: str, timeout: float = 300) -> str:
+        """Wait for ``job`` to leave the queue; its final state, e.g. 'COMPLETED'. Polled every
+        0.3 s: ``sbatch --wait`` does the same but returned up to 30 s after the job ended here."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.run("squeue", "-h", "-j", job, check=False).stdout.strip():
+                info = self.run("scontrol", "show", "job", "-o", job).stdout
+                return info.split("JobState=")[1].split()[0]
+            time.sleep(0.3)
+        raise AssertionError(f"job {job} still queued after {timeout} s\n{self.logs()}")
+
+
+def _start_munge(c: Cluster) -> None:
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
+        return  # a munged is running already: use it, leave it running
+    run_dir = Path("/run/munge")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.chown(run_dir, "munge", "munge")
+    if not Path("/etc/munge/munge.key").is_file():
+        subprocess.run(["runuser", "-u", "munge", "--", "mungekey", "--create"], check=True)
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)  # forks into the background
+    pid_file = run_dir / "munged.pid"
+    deadline = time.time() + 10
+    while not pid_file.is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    c.munged_pid = int(pid_file.read_text())
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = _why_not()
+    if why:
+        if os.environ.get("ELASTICMEM_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("slurm")
+    host = socket.gethostname().split(".")[0]
+    mem_mb = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 - 1024
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    (root / "slurm.conf").write_text(f"""ClusterName=elasticmem-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={mem_mb} State=UNKNOWN
+PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+    c = Cluster(root)
+    try:
+        _start_munge(c)
+        for daemon in ("slurmctld", "slurmd"):
+            c.procs.append(subprocess.Popen([shutil.which(daemon) or f"/usr/sbin/{daemon}", "-D"], env=c.env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = c.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the node did not come up (state {state!r})\n{c.logs()}")
+        yield c
+    finally:
+        subprocess.run(["scancel", "--full", "--partition=test"], env=c.env, capture_output=True)
+        for p in reversed(c.procs):
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if c.munged_pid is not None:
+            os.kill(c.munged_pid, signal.SIGTERM)
+
+
+def _sbatch_train(c: Cluster, root: Path, out: Path, *extra: str, wait: bool = True) -> str:
+    """Submit slurm/train.sbatch on the tiny preset with 2 processes on the CPU node; its job id.
+    ``wait``: until it leaves the queue, which must be as COMPLETED."""
+    args = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}",
+            f"--output={out}.slurm.out", "slurm/train.sbatch", "configs/tiny.yaml", f"data.dir={root}/data", f"bank.dir={root}/bank",
+            f"train.output_dir={out}", *TRAIN, *extra]
+    env = {**_env(), "SLURM_CONF": c.env["SLURM_CONF"], "GPUS_PER_NODE": "2", "MAIN_PORT": str(_free_port())}
+    job = c.run(*args, env=env).stdout.strip().split(";")[0]
+    if wait:
+        state = c.wait_gone(job)
+        assert state == "COMPLETED", f"job {job}: {state}\n{Path(f'{out}.slurm.out').read_text()[-4000:]}"
+    return job
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm, tiny_setup, tmp_path_factory):  # noqa: F811
+    """An uninterrupted 2-process training job that records its rollouts: (run folder, rollouts)."""
+    tmp = tmp_path_factory.mktemp("slurm_train")
+    out, rec = tmp / "job", tmp / "rec"
+    _sbatch_train(slurm, tiny_setup, out, f"train.record_rollouts={rec}")
+    log = Path(f"{out}.slurm.out").read_text()
+    assert "[sbatch] nodes=1" in log and "processes/node=2" in log, log[-3000:]
+    return out, rec
+
+
+def test_train_sbatch_equals_a_two_process_accelerate_launch(slurm_run, tiny_setup, tmp_path):  # noqa: F811
+    out, rec = slurm_run
+    direct = tmp_path / "direct"
+    _train_cli(tiny_setup, direct, *TRAIN, f"train.replay_rollouts={rec}", env=_env(ACCELERATE_USE_CPU="1"),
+               launcher=LAUNCH_2)
+    job, ref = _metrics(out), _metrics(direct)
+    assert len(job) == 12 and job[0]["processes"] == 2 and ref[0]["processes"] == 2
+    _assert_same_rows(job, ref)
+    a, b = _params(out / "final"), _params(direct / "final")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_sigterm_checkpoints_and_the_resubmitted_job_resumes_to_the_same_parameters(
+        slurm, slurm_run, tiny_setup, tmp_path):  # noqa: F811
+    out = tmp_path / "preempted"
+    job = _sbatch_train(slurm, tiny_setup, out, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and _metrics(out)):
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=TERM", job)  # to the job's steps: the launcher and its processes
+    slurm.wait_gone(job)
+    log = Path(f"{out}.slurm.out").read_text()
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    assert "signal 15: stopping after this step" in log, log[-4000:]
+    assert last is not None and not (out / "final").exists(), "the job should have stopped before its end"
+    stopped = int(last.name.removeprefix("step_"))
+    assert stopped == _metrics(out)[-1]["step"] < 12  # the checkpoint is of the step it stopped at
+    _sbatch_train(slurm, tiny_setup, out)
+    log = Path(f"{out}.slurm.out").read_text()
+    assert f"step_{stopped:06d}" in log and "resumed from" in log, log[-4000:]
+    assert [m["step"] for m in _metrics(out)] == list(range(1, 13))
+    uninterrupted, _ = slurm_run
+    a, b = _params(uninterrupted / "final"), _params(out / "final")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_bank_array_job_then_dependent_merge_equals_a_one_process_build(slurm, tiny_setup, tmp_path):  # noqa: F811
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import Bank, build_bank
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+
+    common = ["configs/tiny.yaml", f"data.dir={tiny_setup}/data", "bank.shard_rows=8"]
+    # the single-process reference, in this process (what build_bank.py calls)
+    cfg = load_config(ROOT / common[0], [*common[1:], f"bank.dir={tmp_path}/one"])
+    examples = {split: load_split(cfg.data.dir, split) for split in cfg.bank.splits}
+    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    env = {**_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    opts = ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/bank-%A_%a.out"]
+    array = slurm.run("sbatch", "--parsable", "--array=0-1", *opts, "slurm/build_bank.sbatch", *common,
+                      f"bank.dir={tmp_path}/array", env=env).stdout.strip().split(";")[0]
+    merge = slurm.run("sbatch", "--parsable", f"--dependency=afterok:{array}", *opts, "slurm/build_bank.sbatch",
+                      *common, f"bank.dir={tmp_path}/array", env=env).stdout.strip().split(";")[0]
+    assert slurm.wait_gone(merge) == "COMPLETED", slurm.logs()
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("bank-*.out")))
+    for k in range(2):
+        assert f"part {k} of 2" in logs and f"part {k}/2 done" in logs, logs[-4000:]
+    assert set(Bank.open(tmp_path / "array", verify=True).manifest["build"]["shard_writers"]) == {0, 1}
+    assert_same_bank_files(tmp_path / "one", tmp_path / "array")

@@ -41,6 +41,17 @@ overrides them; weights of LoRA (B = 0 as peft initialises it), policy and
 projector are untrained, seeded. The model is in eval mode and everything runs
 under ``torch.no_grad()`` on CPU.
 
+**Compute floor** (issue 15's CPU yardstick): after every timed batched call, one bare batched
+forward over exactly the positions that rollout processed, at the same batch size: each
+trajectory's recorded [prompt, a, soft tokens + separators, suffix, answer tokens but the last]
+(the last sampled token is never fed back), assembled and left-padded by ``assemble`` before the
+clock starts, through the decoder once (``use_cache=False``), then the LM head on only the
+positions whose logits the rollout needed (the last suffix token and each fed answer token), under
+``torch.no_grad()``. No sampling, retrieval, policy, projector or cache bookkeeping: the least
+compute that produces those logits with this model (prompts repeated per trajectory, as the
+batched rollout repeats them). Reported: batched rollout seconds / floor seconds (medians; goal
+<= 1.2), and the peak resident memory of the process (``ru_maxrss``).
+
 Equivalence check (once, at the start, per model): the baseline in greedy mode
 (argmax control token, argmax budgets, argmax answer tokens) must give the same
 control token, retrieved rows, budgets and answer tokens as
@@ -260,6 +271,47 @@ def run_batched(model: ElasticMem, batch: Sequence, G: int, temperature: float):
     return time.perf_counter() - t, dict(traj.timings), traj
 
 
+def floor_inputs(model: ElasticMem, traj):
+    """The assembled inputs of the compute floor and the (row, position) pairs needing logits."""
+    soft, _ = model._soft_tokens(traj.rows, traj.budgets)
+    layouts = []
+    for i in range(len(traj)):
+        fed = traj.answer_ids[i][traj.answer_mask[i]].tolist()[:-1]
+        layouts.append(Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
+                              traj.suffix_ids[i], fed))
+    batch_in = assemble(model.base.get_input_embeddings(), layouts, model.sep_ids)
+    L = batch_in.embeds.shape[1]
+    rows, pos = [], []
+    for i, start in enumerate(batch_in.answer_start.tolist()):
+        for p in range(start - 1, L):  # the last suffix token, then each fed answer token
+            rows.append(i)
+            pos.append(p)
+    return batch_in, torch.tensor(rows), torch.tensor(pos)
+
+
+def check_floor(model: ElasticMem, batch: Sequence) -> int:
+    """The floor's inputs are the rollout's: on a greedy rollout, the argmax of the floor's logits
+    at its logit positions is each trajectory's answer, token for token. Returns positions checked."""
+    traj = model.greedy(list(batch))
+    batch_in, rows, pos = floor_inputs(model, traj)
+    h = model.base.get_decoder()(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+                                 position_ids=batch_in.position_ids, use_cache=False).last_hidden_state
+    pred = model.base.get_output_embeddings()(h[rows, pos]).argmax(-1)
+    want = torch.cat([traj.answer_ids[i][traj.answer_mask[i]] for i in range(len(traj))])
+    assert torch.equal(pred.cpu(), want), "the compute floor does not process the rollout's positions"
+    return len(want)
+
+
+def run_floor(model: ElasticMem, inputs) -> float:
+    batch_in, rows, pos = inputs
+    decoder, head = model.base.get_decoder(), model.base.get_output_embeddings()
+    t = time.perf_counter()
+    h = decoder(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+                position_ids=batch_in.position_ids, use_cache=False).last_hidden_state
+    head(h[rows, pos])
+    return time.perf_counter() - t
+
+
 # =========================================================================== check
 
 
@@ -295,6 +347,8 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
         n_ok = check_equivalence(model, batch, args.check, args.full_logits)
         log(f"[{model_name}] check passed: greedy baseline == model.greedy([ex]) on {n_ok} example(s) "
             f"(control token, rows, budgets, answer tokens)")
+        n_pos = check_floor(model, batch)
+        log(f"[{model_name}] check passed: the compute floor's logits give a greedy rollout's {n_pos} answer tokens")
         torch.manual_seed(args.seed)
         t_w1, _, traj = run_batched(model, batch, G, temp)
         t_w2, _, _ = run_baseline(model, batch, G, temp, args.full_logits)
@@ -311,7 +365,9 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
                 torch.manual_seed(args.seed + 1000 + r)
                 if which == "batched":
                     s, ph, tr = run_batched(model, batch, G, temp)
-                    rb.append({"seconds": s, "phases": ph,
+                    fin = floor_inputs(model, tr)
+                    rb.append({"seconds": s, "phases": ph, "floor": run_floor(model, fin),
+                               "positions": int(fin[0].attention_mask.sum()), "logit_positions": len(fin[1]),
                                "memory_tokens": float(tr.memory_tokens.float().mean()),
                                "answer_tokens": float(tr.answer_mask.sum(-1).float().mean()),
                                "gen_steps": int(tr.answer_ids.shape[1])})
@@ -321,7 +377,8 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
                                "memory_tokens": statistics.mean(o["memory_tokens"] for o in outs),
                                "answer_tokens": statistics.mean(len(o["answer"]) for o in outs)})
             log(f"[{model_name}] round {r + 1}/{repeats}: batched {rb[-1]['seconds']:.3f} s "
-                f"({N / rb[-1]['seconds']:.2f} traj/s), baseline {rl[-1]['seconds']:.3f} s "
+                f"({N / rb[-1]['seconds']:.2f} traj/s), compute floor {rb[-1]['floor']:.3f} s "
+                f"({rb[-1]['positions']} positions), baseline {rl[-1]['seconds']:.3f} s "
                 f"({N / rl[-1]['seconds']:.2f} traj/s)")
 
     def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,6 +393,7 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
         }
 
     bat, base = summary(rb), summary(rl)
+    floor = med([x["floor"] for x in rb])
     d = model.cfg
     return {
         "model": model_name,
@@ -350,7 +408,19 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
         "batched": bat,
         "baseline": base,
         "ratio": bat["traj_per_s"] / base["traj_per_s"],
+        "floor": {"seconds": floor, "seconds_all": [x["floor"] for x in rb],
+                  "positions": med([x["positions"] for x in rb]),
+                  "logit_positions": med([x["logit_positions"] for x in rb])},
+        "floor_ratio": bat["seconds"] / floor,
+        "peak_rss_mb": _peak_rss_mb(),
     }
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
 def print_table(results: list[dict[str, Any]], goal: float) -> None:
@@ -377,6 +447,11 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
         ok = "meets" if r["ratio"] >= goal else "below"
         log(f"{r['model']}: batched/baseline = {r['ratio']:.2f}x at B*G={r['trajectories']} ({ok} the {goal:g}x goal); "
             f"medians of {r['repeats']} rounds")
+        fl = r["floor"]
+        ok = "meets" if r["floor_ratio"] <= 1.2 else "above"
+        log(f"{r['model']}: batched rollout / compute floor = {r['floor_ratio']:.2f}x ({ok} the 1.2x goal; floor "
+            f"{fl['seconds']:.3f} s for {fl['positions']:.0f} positions, LM head on {fl['logit_positions']:.0f}); "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB")
     log("phases: retrieval = text encoding + prompt/control forwards + top-Z; policy = budget policy; "
         "generation = soft tokens + assembly + answer decoding (batched: Trajectories.timings)")
 

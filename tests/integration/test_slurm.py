@@ -13,8 +13,10 @@ ports) is started for the module and taken down by PID at its end. Then:
 - ``slurm/build_bank.sbatch`` as a 2-task job array, then a merge job that depends on it
   (``--dependency=afterok``), gives the bank one process builds, byte for byte.
 
+And without a scheduler: what each of 2 nodes x 8 GPUs would launch (stand-in commands).
+
 Needs Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them when missing) and root
-(munged runs as user munge, the daemons as root). Without them the tests skip and say why;
+(munged runs as user munge, the daemons as root). Without them the scheduler tests skip and say why;
 ``ELASTICMEM_REQUIRE_SLURM=1`` turns that skip into a failure.
 """
 
@@ -38,8 +40,9 @@ from test_train_distributed import LAUNCH_2, _assert_same_rows
 from elasticmem.utils import checkpointing as ckpt
 
 TOOLS = ("sbatch", "scancel", "squeue", "sinfo", "slurmctld", "slurmd", "munged", "munge")
-# 12 short steps: long enough for a signal to land mid-run, checkpoints every 4
-TRAIN = ("train.max_steps=12", "train.save_every=4", "train.eval_split=", "train.group_size=4",
+# 20 short steps (~2.5 s on 2 cores): room for a signal sent after the first to land mid-run
+STEPS = 20
+TRAIN = (f"train.max_steps={STEPS}", "train.save_every=5", "train.eval_split=", "train.group_size=4",
          "train.warmup_steps=0", "memory.top_z=2")
 
 
@@ -202,7 +205,7 @@ def test_train_sbatch_equals_a_two_process_accelerate_launch(slurm_run, tiny_set
     _train_cli(tiny_setup, direct, *TRAIN, f"train.replay_rollouts={rec}", env=_env(ACCELERATE_USE_CPU="1"),
                launcher=LAUNCH_2)
     job, ref = _metrics(out), _metrics(direct)
-    assert len(job) == 12 and job[0]["processes"] == 2 and ref[0]["processes"] == 2
+    assert len(job) == STEPS and job[0]["processes"] == 2 and ref[0]["processes"] == 2
     _assert_same_rows(job, ref)
     a, b = _params(out / "final"), _params(direct / "final")
     for name in a:
@@ -223,11 +226,11 @@ def test_sigterm_checkpoints_and_the_resubmitted_job_resumes_to_the_same_paramet
     assert "signal 15: stopping after this step" in log, log[-4000:]
     assert last is not None and not (out / "final").exists(), "the job should have stopped before its end"
     stopped = int(last.name.removeprefix("step_"))
-    assert stopped == _metrics(out)[-1]["step"] < 12  # the checkpoint is of the step it stopped at
+    assert stopped == _metrics(out)[-1]["step"] < STEPS  # the checkpoint is of the step it stopped at
     _sbatch_train(slurm, tiny_setup, out)
     log = Path(f"{out}.slurm.out").read_text()
     assert f"step_{stopped:06d}" in log and "resumed from" in log, log[-4000:]
-    assert [m["step"] for m in _metrics(out)] == list(range(1, 13))
+    assert [m["step"] for m in _metrics(out)] == list(range(1, STEPS + 1))
     uninterrupted, _ = slurm_run
     a, b = _params(uninterrupted / "final"), _params(out / "final")
     for name in a:
@@ -257,3 +260,41 @@ def test_bank_array_job_then_dependent_merge_equals_a_one_process_build(slurm, t
         assert f"part {k} of 2" in logs and f"part {k}/2 done" in logs, logs[-4000:]
     assert set(Bank.open(tmp_path / "array", verify=True).manifest["build"]["shard_writers"]) == {0, 1}
     assert_same_bank_files(tmp_path / "one", tmp_path / "array")
+
+
+def test_two_nodes_each_launch_their_own_rank_on_the_head_node_rendezvous(tmp_path):
+    """The multi-node wiring of slurm/train.sbatch, on paper (one machine here): with 2 nodes of 8
+    GPUs, stand-ins for scontrol, srun, nvidia-smi and accelerate record what each node would
+    launch. Needs no SLURM."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    shims = {
+        "scontrol": 'echo "gpu-a1"; echo "gpu-a2"',  # scontrol show hostnames gpu-a[1-2]
+        "nvidia-smi": "exit 0",
+        # srun: run the step once per node, as each node would, with its own SLURM_NODEID
+        "srun": 'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i "${@: -3}"; done',
+        # one <argument> each, so that an argument split at a space would show
+        "accelerate": f'{{ echo -n "node=$SLURM_NODEID cpu=${{ACCELERATE_USE_CPU:-}} "; printf "<%s>" "$@"; echo; }} '
+                      f'>> {tmp_path}/launches',
+    }
+    for name, body in shims.items():
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    # the submission folder has no .venv, whose activation would put the real accelerate first
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-a[1-2]",
+               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path))
+    p = subprocess.run(["bash", str(ROOT / "slurm/train.sbatch"), "configs/quickstart.yaml", "train.lr=1e-4",
+                        "memory.suffix_template=Answer: {choices}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    launches = (tmp_path / "launches").read_text().splitlines()
+    assert len(launches) == 2
+    for rank, line in enumerate(launches):
+        assert line.startswith(f"node={rank} cpu= <launch>")
+        for part in ("<--num_machines><2>", "<--num_processes><16>", f"<--machine_rank><{rank}>",
+                     "<--main_process_ip><gpu-a1>", "<--main_process_port><29500>",
+                     "<--config_file><configs/accelerate/multi_gpu.yaml>"):
+            assert part in line, (part, line)
+        # each override arrives as one argument, spaces included
+        assert line.endswith("<train.py><--config><configs/quickstart.yaml><train.lr=1e-4>"
+                             "<memory.suffix_template=Answer: {choices}>"), line

@@ -541,8 +541,9 @@ def build_bank(
     todo = [i for i in mine if _done_record(out, i) is None]
     rows_todo = sum(plan.shard_bounds[i][1] - plan.shard_bounds[i][0] for i in todo)
     decoder = backbone.model.get_decoder()
-    bar = tqdm(total=rows_todo, desc="encoding chunks", unit="chunk", disable=not (show_progress and (is_main or part is not None)),
-               file=sys.stderr, dynamic_ncols=True)
+    shown = show_progress and (is_main or part is not None)  # a part is its own job: it shows its own bar
+    bar = tqdm(total=rows_todo, desc="encoding chunks", unit="chunk", disable=not shown, file=sys.stderr,
+               dynamic_ncols=True)
     for i in todo:
         a, b = plan.shard_bounds[i]
         tensors = encode_shard(

@@ -178,8 +178,8 @@ def _sbatch_train(c: Cluster, root: Path, out: Path, *extra: str, wait: bool = T
     """Submit slurm/train.sbatch on the tiny preset with 2 processes on the CPU node; its job id.
     ``wait``: until it leaves the queue, which must be as COMPLETED."""
     args = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}",
-            f"--output={out}.slurm.out", "slurm/train.sbatch", "configs/tiny.yaml", f"data.dir={root}/data", f"bank.dir={root}/bank",
-            f"train.output_dir={out}", *TRAIN, *extra]
+            f"--output={out}.slurm.out", "slurm/train.sbatch", "configs/tiny.yaml", f"data.dir={root}/data",
+            f"bank.dir={root}/bank", f"train.output_dir={out}", *TRAIN, *extra]
     env = {**_env(), "SLURM_CONF": c.env["SLURM_CONF"], "GPUS_PER_NODE": "2", "MAIN_PORT": str(_free_port())}
     job = c.run(*args, env=env).stdout.strip().split(";")[0]
     if wait:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         result = build_bank(examples, backbone, cfg.chunking, cfg.bank, cache_dtype, state=state)
         if not state.is_main_process:
             return 0
-        if result.status.startswith("part"):
+        if cfg.bank.part:
             print(f"bank {result.bank_dir}: {result.status} done ({result.shards_encoded} shard(s) encoded in "
                   f"{result.seconds:.1f} s); when every part is done, run build_bank.py without bank.part to "
                   f"write the manifest")
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         bank = Bank.open(result.bank_dir, expect_fingerprint=backbone.fingerprint, verify=cfg.bank.verify)
         if cfg.bank.index.type in ("ivf", "hnsw"):
             build_index(bank, cfg.bank.index, cfg.seed)  # built and saved now, not at first training step
-    except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError, ValueError) as e:
+    except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError) as e:
         print(f"build_bank.py: error: {e}", file=sys.stderr)
         return 2
     lens = [c["n_tokens"] for c in bank.chunks()]

@@ -273,13 +273,8 @@ def run_batched(model: ElasticMem, batch: Sequence, G: int, temperature: float):
 
 def floor_inputs(model: ElasticMem, traj):
     """The assembled inputs of the compute floor and the (row, position) pairs needing logits."""
-    soft, _ = model._soft_tokens(traj.rows, traj.budgets)
-    layouts = []
-    for i in range(len(traj)):
-        fed = traj.answer_ids[i][traj.answer_mask[i]].tolist()[:-1]
-        layouts.append(Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
-                              traj.suffix_ids[i], fed))
-    batch_in = assemble(model.base.get_input_embeddings(), layouts, model.sep_ids)
+    fed = [traj.answer_ids[i][traj.answer_mask[i]].tolist()[:-1] for i in range(len(traj))]
+    batch_in = assemble(model.base.get_input_embeddings(), model.trajectory_layouts(traj, fed), model.sep_ids)
     L = batch_in.embeds.shape[1]
     rows, pos = [], []
     for i, start in enumerate(batch_in.answer_start.tolist()):

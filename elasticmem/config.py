@@ -183,11 +183,8 @@ class BankConfig:
                      "shards: delete the folder first instead")
 
     def part_index(self) -> tuple[int, int] | None:
-        """(K, N) of ``part``, or None for the whole build."""
-        if not self.part:
-            return None
-        k, _, n = self.part.partition("/")
-        return int(k), int(n)
+        """(K, N) of ``part`` (validated at construction), or None for the whole build."""
+        return tuple(map(int, self.part.split("/"))) if self.part else None
 
 
 @dataclass

@@ -56,6 +56,7 @@ from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFES
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
 from elasticmem.data.schema import Example, SchemaError, Turn
+from elasticmem.utils.configuration import ConfigError
 
 BUILD_DIR = ".build"
 
@@ -489,8 +490,8 @@ def build_bank(
     t0 = time.perf_counter()
     part = bank_cfg.part_index()
     if part is not None and state is not None and state.num_processes > 1:
-        raise ValueError("bank.part splits a build over separate jobs (a job array); with accelerate launch the "
-                         "processes already split it: drop one of the two")
+        raise ConfigError("bank.part splits a build over separate jobs (a job array); with accelerate launch the "
+                          "processes already split it: drop one of the two")
     rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
     if part is not None:
         rank, world = part

@@ -745,14 +745,9 @@ class ElasticMem(nn.Module):
         ``detach_policy_inputs=False`` also the adapter through h.
         """
         device, mode = self.device, self.cfg.retrieval
-        soft, _ = self._soft_tokens(traj.rows, traj.budgets)
         N = len(traj.example_ids)
-        layouts = [
-            Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
-                   traj.suffix_ids[i], traj.answer_ids[i][traj.answer_mask[i]].tolist())
-            for i in range(N)
-        ]
-        x = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        answers = [traj.answer_ids[i][traj.answer_mask[i]].tolist() for i in range(N)]
+        x = assemble(self.base.get_input_embeddings(), self.trajectory_layouts(traj, answers), self.sep_ids)
         H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
                                     position_ids=x.position_ids, use_cache=False)
         ar = torch.arange(N, device=device)
@@ -770,6 +765,14 @@ class ElasticMem(nn.Module):
         logp_ans = self._target_logps(H, x.answer_start, traj.answer_ids, traj.answer_mask.sum(-1),
                                       traj.answer_temperature)
         return ScoreOutput(logp_control, logp_b, ent_b, logp_ans, h_query)
+
+    def trajectory_layouts(self, traj: Trajectories, answers: Sequence[Sequence[int]]) -> list[Layout]:
+        """Each trajectory's input as recorded ([prompt, a, its memories' soft tokens, suffix]),
+        with ``answers[i]`` as the answer tokens to read."""
+        soft, _ = self._soft_tokens(traj.rows, traj.budgets)
+        return [Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
+                       traj.suffix_ids[i], list(answers[i]))
+                for i in range(len(traj.example_ids))]
 
     def _target_logps(self, H: torch.Tensor, answer_start: torch.Tensor, targets: torch.Tensor,
                       lengths: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -332,10 +332,8 @@ class _NgramBan:
             self.seen.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
 
     def banned(self) -> set[int]:
-        """Tokens that may not come next."""
-        if self.n == 1:
-            return self.seen.get((), set())
-        return self.seen.get(tuple(self.tokens[-(self.n - 1):]), set()) if len(self.tokens) >= self.n - 1 else set()
+        """Tokens that may not come next: those that followed the last n - 1 tokens before."""
+        return self.seen.get(tuple(self.tokens[len(self.tokens) - self.n + 1:]), set())
 
 
 class _TokenChooser:

@@ -12,6 +12,7 @@ settings. The bank folder layout is documented in DESIGN.md section 3.1.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from elasticmem.utils.configuration import ConfigError, parse_cli, print_config, save
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         save(cfg, result.bank_dir / "config.yaml")
         bank = Bank.open(result.bank_dir, expect_fingerprint=backbone.fingerprint, verify=cfg.bank.verify)
         if cfg.bank.index.type in ("ivf", "hnsw"):
-            build_index(bank, cfg.bank.index, cfg.seed)  # built and saved now, not at first training step
+            # built and saved now, not at first training step (on the CPU: the saved index is the CPU one)
+            build_index(bank, dataclasses.replace(cfg.bank.index, gpu=False), cfg.seed)
     except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError) as e:
         print(f"build_bank.py: error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,12 @@
     python benchmarks/bank_build.py --max-chunks 200 --sizes 10000    # quick check (a minute or two)
     python benchmarks/bank_build.py --skip-search --models smollm2    # builder only
     python benchmarks/bank_build.py --skip-build --sizes 100000 --out /tmp/bank_bench.json
+    python benchmarks/bank_build.py --skip-search --models qwen2.5-3b-random --device cuda --max-chunks 400
+    # keys with the structure of real ones: a real bank's keys grown to 1M, its data's questions as queries
+    python -m elasticmem.data.prepare locomo-mc10 --input PATH/locomo10.json --out /tmp/big/data
+    python build_bank.py --config configs/locomo_mc10.yaml data.dir=/tmp/big/data bank.dir=/tmp/big/bank
+    python benchmarks/bank_build.py --skip-build --keys real --real-bank /tmp/big/bank --real-data /tmp/big/data \\
+        --sizes 1000000 --nprobe 8 16 32 64 128 --ef-search 32 64 128 256 --out runs/bench/search_1m_real.json
 
 Everything is measured in this process and reported as ratios against a
 baseline measured in the same process (machines are noisy), next to the
@@ -30,6 +36,12 @@ absolute numbers. Nothing is hard-coded.
    (the CPU default, from the timed runs) and float16 (the GPU default, one
    extra build, its time reported as a single run).
 
+   ``--models`` takes ``model.name_or_path`` values or ``SHAPE-random`` (``qwen2.5-3b-random``:
+   random weights in Qwen2.5-3B's decoder shape, ``elasticmem.backbone.RANDOM_SHAPES``, with the
+   tiny tokenizer; no download), on ``--device`` (default auto: CUDA where present, where the
+   timed cache dtype is float16, and the peak GPU memory of the builder and ceiling runs is
+   reported; on CUDA the CPU-share guard below is off).
+
 2. Search latency and recall@k at each ``--sizes`` of random keys of width
    ``--dim`` (L2-normalised Gaussian, fixed seed) written as a real bank folder
    (shards via ``builder._write_shard``, ``--shard-rows`` rows each like the
@@ -48,6 +60,14 @@ absolute numbers. Nothing is hard-coded.
    also ``self@k``: how often the source key is in the top-k. Latency is ms per
    batch of all queries (one ``search`` call), median of ``--search-repeats``
    after one warm-up call. Index build time is one measurement.
+
+   ``--keys real`` replaces the Gaussian keys with keys that have the structure of real ones
+   (isotropic Gaussians have none, so approximate indexes look worse or better on them than on
+   real banks): the keys of a bank built by ``build_bank.py`` (``--real-bank``) grown to each
+   size (``RealKeys``: each new key interpolates two real keys and adds noise with the real keys'
+   covariance) and, instead of ``gauss``, the query set ``real``: the same model's frozen query
+   states of the questions in ``--real-data``. The structure of the real keys, the grown keys
+   and the queries is printed (``key_structure``) so the two can be compared.
 
 The machine may be shared: before every timed run the script waits (up to
 ``--quiet-wait`` s) until other processes leave the CPUs mostly idle; a timed
@@ -77,7 +97,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -88,7 +108,7 @@ import torch  # noqa: E402
 from elasticmem.bank import builder as B  # noqa: E402
 from elasticmem.bank.index import build_index  # noqa: E402
 from elasticmem.bank.store import CHUNKS, MANIFEST, Bank  # noqa: E402
-from elasticmem.config import IndexConfig, ModelConfig, load_config  # noqa: E402
+from elasticmem.config import IndexConfig, MemoryConfig, ModelConfig, load_config  # noqa: E402
 from elasticmem.data.chunking import chunk_history  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402
 
@@ -368,11 +388,21 @@ def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool 
     return wall, res, tmp
 
 
+def model_config(name: str, device: str) -> ModelConfig:
+    """``name``: a model for ``model.name_or_path``, or ``SHAPE-random`` (a key of
+    ``elasticmem.backbone.RANDOM_SHAPES``): random weights in that model's decoder shape."""
+    from elasticmem.backbone import random_shape
+
+    if name.endswith("-random"):
+        return ModelConfig(name_or_path="tiny", tiny=random_shape(name.removesuffix("-random")), device=device)
+    return ModelConfig(name_or_path=name, device=device)
+
+
 def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: Path) -> dict[str, Any] | None:
     from elasticmem.backbone import load_backbone, resolve_model_path
 
-    mcfg = ModelConfig(name_or_path=model_name)
-    if model_name != "tiny":
+    mcfg = model_config(model_name, args.device)
+    if mcfg.name_or_path != "tiny":
         try:
             resolve_model_path(mcfg)
         except FileNotFoundError as e:
@@ -382,6 +412,8 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
     backbone = load_backbone(mcfg)
     load_s = time.perf_counter() - t0
     device = backbone.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     decoder = backbone.model.get_decoder()
     timed_dtype = B.resolve_cache_dtype("auto", device)
     bs = args.batch_size or cfg.bank.batch_size
@@ -494,6 +526,8 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
         "other_dtype_build_s": wall_other,
         "other_dtype": str(other).removeprefix("torch."),
         "bytes": by_dtype,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
     del backbone, decoder, batches
     gc.collect()
@@ -503,20 +537,23 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
 # =========================================================================== search
 
 
-def write_key_bank(root: Path, n: int, d: int, shard_rows: int, seed: int) -> float:
-    """A real bank folder of n random normalised keys (dummy 1-slot float16 cache)."""
+def write_key_bank(root: Path, n: int, d: int, shard_rows: int, seed: int,
+                   rows_fn: Callable[[int, int], torch.Tensor] | None = None, label: str = "random") -> float:
+    """A real bank folder of n normalised keys (dummy 1-slot float16 cache): ``rows_fn(start, rows)``
+    gives rows [start, start + rows) [rows, d]; default independent Gaussians (seeded)."""
     t0 = time.perf_counter()
     (root / B.BUILD_DIR).mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
-    plan_id = f"bench-random-keys-{n}-{d}-{seed}"
+    plan_id = f"bench-{label}-keys-{n}-{d}-{seed}"
     shards = []
     for i, a in enumerate(range(0, n, shard_rows)):
         rows = min(shard_rows, n - a)
-        keys = torch.nn.functional.normalize(torch.randn(rows, d, generator=gen), dim=-1)
+        raw = rows_fn(a, rows) if rows_fn is not None else torch.randn(rows, d, generator=gen)
+        keys = torch.nn.functional.normalize(raw.float(), dim=-1)
         tensors = {"keys": keys, "cache": torch.zeros(rows, 1, d, dtype=torch.float16),
                    "cache_len": torch.ones(rows, dtype=torch.int32)}
         shards.append(B._write_shard(root, i, tensors, plan_id))
-    manifest = {"format_version": 1, "encoder": {"name_or_path": "random", "fingerprint": "none"},
+    manifest = {"format_version": 1, "encoder": {"name_or_path": label, "fingerprint": "none"},
                 "hidden_size": d, "n_cache": 1, "cache_dtype": "float16", "num_chunks": n,
                 "tokenization": {}, "shards": shards, "groups": {"all": [0, n]},
                 "build": {"plan_id": plan_id}}
@@ -525,13 +562,94 @@ def write_key_bank(root: Path, n: int, d: int, shard_rows: int, seed: int) -> fl
     return time.perf_counter() - t0
 
 
-def make_queries(bank: Bank, nq: int, d: int, noise: float, seed: int):
+class RealKeys:
+    """Keys with the structure of real ones, grown from a built bank's keys (``--keys real``).
+
+    Rows [0, m) are the m real keys of ``--real-bank`` (the frozen encoder's final-layer state of
+    each chunk's last token, L2-normalised); every further row is
+    ``normalise((1 - lam) k_a + lam k_b + sigma * e)`` for real keys a, b drawn uniformly,
+    lam ~ U(0, 0.5) and e ~ N(0, Sigma), Sigma the real keys' covariance (through their SVD), so
+    the grown keys share the real ones' mean direction, spectrum and neighbourhoods: they fill
+    the segments between real chunks rather than a sphere. Queries (``real``): the same model's
+    query states (``memory.retrieval=frozen``: last prompt token, adapter off) of the questions
+    in ``--real-data``, drawn without replacement."""
+
+    def __init__(self, keys: torch.Tensor, sigma: float, seed: int):
+        self.real = torch.nn.functional.normalize(keys.float(), dim=-1)
+        self.sigma, self.seed = sigma, seed
+        centred = self.real - self.real.mean(0)
+        _, S, Vh = torch.linalg.svd(centred, full_matrices=False)
+        self.basis = (S[:, None] / max(1, self.real.shape[0] - 1) ** 0.5) * Vh  # [r, d]: e = z @ basis
+
+    def rows(self, start: int, rows: int) -> torch.Tensor:
+        """Rows [start, start + rows) of the grown bank [rows, d] (the same rows for the same seed)."""
+        m = self.real.shape[0]
+        out = torch.empty(rows, self.real.shape[1])
+        n_real = max(0, min(rows, m - start))
+        if n_real:
+            out[:n_real] = self.real[start : start + n_real]
+        k = rows - n_real
+        if k:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + start)
+            a = torch.randint(0, m, (k,), generator=gen)
+            b = torch.randint(0, m, (k,), generator=gen)
+            lam = 0.5 * torch.rand(k, 1, generator=gen)
+            e = torch.randn(k, self.basis.shape[0], generator=gen) @ self.basis
+            out[n_real:] = (1 - lam) * self.real[a] + lam * self.real[b] + self.sigma * e
+        return torch.nn.functional.normalize(out, dim=-1)
+
+
+def key_structure(keys: torch.Tensor, seed: int, sample: int = 4000) -> dict[str, float]:
+    """How anisotropic and clustered normalised keys [n, d] are (on at most ``sample`` rows):
+    cosine to the mean direction, mean cosine of random pairs, nearest-neighbour cosine (within
+    the sample) and the participation ratio of the covariance spectrum (effective dimensions)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = keys[torch.randperm(keys.shape[0], generator=gen)[:sample]].float()
+    mu = torch.nn.functional.normalize(x.mean(0), dim=0)
+    sims = x @ x.T
+    n = x.shape[0]
+    off = sims[~torch.eye(n, dtype=torch.bool)]
+    nn_sim = sims.fill_diagonal_(-2.0).max(1).values
+    ev = torch.linalg.eigvalsh(torch.cov(x.T)).clamp_min(0)
+    return {"rows": n, "cos_to_mean_dir": float((x @ mu).mean()), "pair_cos_mean": float(off.mean()),
+            "pair_cos_std": float(off.std()), "nn_cos_mean": float(nn_sim.mean()),
+            "participation_ratio": float(ev.sum() ** 2 / (ev**2).sum())}
+
+
+def real_queries(bank_dir: str, data_dir: str, nq: int, seed: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Frozen query states [nq, d] of questions in ``data_dir`` (every split), from the model that
+    built ``bank_dir`` (its manifest's encoder, loaded on the CPU in float32)."""
+    from elasticmem.backbone import load_backbone
+    from elasticmem.data.schema import load_split
+    from elasticmem.model.elasticmem import ElasticMem
+
+    bank = Bank.open(bank_dir)
+    name = bank.manifest["encoder"]["name_or_path"]
+    backbone = load_backbone(ModelConfig(name_or_path=name, device="cpu"))
+    bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
+    examples = [ex for split in ("train", "val", "test") if (Path(data_dir) / f"{split}.jsonl").is_file()
+                for ex in load_split(data_dir, split)]
+    if not examples:
+        raise SystemExit(f"--real-data {data_dir}: no train/val/test.jsonl with questions")
+    gen = torch.Generator().manual_seed(seed + 2)
+    pick = [examples[int(i)] for i in torch.randperm(len(examples), generator=gen)[:nq]]
+    model = ElasticMem(backbone, MemoryConfig(retrieval="frozen"), bank).eval()
+    t0 = time.perf_counter()
+    h = torch.cat([model.query_states(pick[i : i + 16]).float().cpu() for i in range(0, len(pick), 16)])
+    log(f"[search] {len(pick)} real query states ({name}, frozen) of {len(examples)} questions in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return h, {"encoder": name, "questions": len(examples), "queries": len(pick)}
+
+
+def make_queries(bank: Bank, nq: int, d: int, noise: float, seed: int, first: dict[str, torch.Tensor] | None = None):
+    """Query sets: ``first`` (e.g. real query states) or independent Gaussians (``gauss``), then
+    ``noisy``: a stored key plus noise of norm ~``noise``."""
     gen = torch.Generator().manual_seed(seed + 1)
     gauss = torch.nn.functional.normalize(torch.randn(nq, d, generator=gen), dim=-1)
     src = torch.randint(0, bank.num_chunks, (nq,), generator=gen)
     base = torch.stack([bank.keys(int(r), int(r) + 1)[0] for r in src])
     noisy = torch.nn.functional.normalize(base + noise * torch.randn(nq, d, generator=gen) / d ** 0.5, dim=-1)
-    return {"gauss": gauss, "noisy": noisy}, src
+    return {**(first or {"gauss": gauss}), "noisy": noisy}, src
 
 
 def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -585,20 +703,29 @@ def time_search(index, queries: torch.Tensor, k: int, repeats: int):
     return rows, first, times, med(shares)
 
 
-def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
+def bench_search(n: int, args, workdir: Path, real: tuple[RealKeys, torch.Tensor] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Every index at bank size ``n``: Gaussian keys, or (``real``) grown real keys and real queries."""
     d, k, nq = args.dim, args.k, args.num_queries
     tmp = Path(tempfile.mkdtemp(prefix=f"bankbench-keys{n}-", dir=workdir))
     root = tmp / "bank"
     rows_out: list[dict[str, Any]] = []
     try:
-        write_s = write_key_bank(root, n, d, args.shard_rows, args.seed)
+        if real is not None:
+            if n < real[0].real.shape[0]:
+                raise SystemExit(f"--sizes {n} is smaller than the {real[0].real.shape[0]} real keys")
+            write_s = write_key_bank(root, n, d, args.shard_rows, args.seed, real[0].rows, label="real-grown")
+        else:
+            write_s = write_key_bank(root, n, d, args.shard_rows, args.seed)
         disk = sum(dir_bytes(root).values())
         log(f"[search] n={n}: wrote bank ({disk / 1e9:.2f} GB on disk, {-(-n // args.shard_rows)} shards "
             f"of {args.shard_rows} rows, keys {n * d * 4 / 1e9:.2f} GB) in {write_s:.1f} s")
         t0 = time.perf_counter()
         bank = Bank.open(root)
         open_s = time.perf_counter() - t0
-        queries, src = make_queries(bank, nq, d, args.noise, args.seed)
+        queries, src = make_queries(bank, nq, d, args.noise, args.seed,
+                                    None if real is None else {"real": real[1]})
+        lead = next(iter(queries))  # the query set the log line's CPU share is from
         exact: dict[str, torch.Tensor] = {}
         base_ms: dict[str, float] = {}
 
@@ -622,7 +749,7 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
             log(f"[search] n={n} {name:9s} {json.dumps(params):24s} build {build_s:7.2f} s | "
                 + " | ".join(f"{qs} {row[f'{qs}_ms_per_1000q']:9.1f} ms/1000q x{row[f'{qs}_ratio_to_torch']:.3f} "
                              f"R@{k} {row[f'{qs}_recall@{k}']:.3f}" for qs in queries)
-                + f" | self@{k} {row[f'noisy_self@{k}']:.3f} | cpu {100 * row['gauss_cpu_share']:.0f}% "
+                + f" | self@{k} {row[f'noisy_self@{k}']:.3f} | cpu {100 * row[f'{lead}_cpu_share']:.0f}% "
                 f"load {os.getloadavg()[0]:.1f}")
 
         # torch exact: the baseline (keys memory-mapped; gathered from the shards at every call)
@@ -648,7 +775,8 @@ def bench_search(n: int, args, workdir: Path) -> list[dict[str, Any]]:
                 log(f"[search] n={n}: skipping {typ} (n > --{typ}-max-size {cap})")
                 rows_out.append({"size": n, "index": typ, "skipped": f"n > --{typ}-max-size {cap}"})
                 continue
-            cfg = IndexConfig(type=typ, save=False)
+            cfg = IndexConfig(type=typ, save=False, nlist=args.nlist, hnsw_m=args.hnsw_m,
+                              ef_construction=args.ef_construction)
             wait_quiet()
             c0, t0 = cpu_seconds(), time.perf_counter()
             idx = build_index(bank, cfg, args.seed)
@@ -751,13 +879,20 @@ def summary_text(report: dict[str, Any], k: int) -> str:
     search = report.get("search", [])
     if search:
         s0 = report["search_settings"]
-        lines.append("")
-        lines.append(f"SEARCH: {s0['num_queries']} queries per call, top-{k}, d={s0['dim']}, keys L2-normalised Gaussian "
-                     f"(seed {s0['seed']}), bank shards of {s0['shard_rows']} rows, dummy 1-slot fp16 cache; "
+        qs = s0.get("first_query_set", "gauss")
+        if s0.get("keys") == "real":
+            rk = report["real_keys"]
+            keys_text = (f"keys grown from {rk['real_rows']} real keys of {rk['bank']} (sigma {rk['sigma']}; "
+                         f"see RealKeys), real = {rk['queries']['queries']} frozen query states of "
+                         f"{rk['queries']['encoder']}")
+        else:
+            keys_text = f"keys L2-normalised Gaussian (seed {s0['seed']}), gauss = random queries"
+        lines.append(f"SEARCH: {s0['num_queries']} queries per call, top-{k}, d={s0['dim']}, {keys_text}, "
+                     f"bank shards of {s0['shard_rows']} rows, dummy 1-slot fp16 cache; "
                      f"ms per 1000 queries = median of {s0['search_repeats']} calls after 1 warm-up; "
-                     f"ratio = ms / torch ms; R@{k} vs torch exact; gauss = random queries, "
+                     f"ratio = ms / torch ms; R@{k} vs torch exact; "
                      f"noisy = stored key + noise of norm {s0['noise']}; self@{k} = source key found")
-        lines.append(f"{'size':>8s} {'index':9s} {'params':42s} {'build s':>8s} | {'gauss ms':>9s} {'ratio':>6s} "
+        lines.append(f"{'size':>8s} {'index':9s} {'params':42s} {'build s':>8s} | {qs + ' ms':>9s} {'ratio':>6s} "
                      f"{'R@k':>6s} | {'noisy ms':>9s} {'ratio':>6s} {'R@k':>6s} {'self@k':>6s} | {'cpu':>4s}")
         for r in search:
             if r.get("skipped"):
@@ -766,11 +901,18 @@ def summary_text(report: dict[str, Any], k: int) -> str:
             params = ",".join(f"{a}={v}" for a, v in r["params"].items()) or "-"
             lines.append(
                 f"{r['size']:8d} {r['index']:9s} {params:42s} {r['build_s']:8.2f} | "
-                f"{r['gauss_ms_per_1000q']:9.1f} {r['gauss_ratio_to_torch']:6.3f} {r[f'gauss_recall@{k}']:6.3f} | "
+                f"{r[f'{qs}_ms_per_1000q']:9.1f} {r[f'{qs}_ratio_to_torch']:6.3f} {r[f'{qs}_recall@{k}']:6.3f} | "
                 f"{r['noisy_ms_per_1000q']:9.1f} {r['noisy_ratio_to_torch']:6.3f} {r[f'noisy_recall@{k}']:6.3f} "
-                f"{r[f'noisy_self@{k}']:6.3f} | {100 * r['gauss_cpu_share']:3.0f}%")
-        lines.append(f"{'':8s} (cpu = process CPU share during the timed gauss calls; "
+                f"{r[f'noisy_self@{k}']:6.3f} | {100 * r[f'{qs}_cpu_share']:3.0f}%")
+        lines.append(f"{'':8s} (cpu = process CPU share during the timed {qs} calls; "
                      f"well below 100% = other load on the machine)")
+        if s0.get("keys") == "real":
+            st = report["real_keys"]["structure"]
+            lines.append(f"{'':8s} key structure (cos to mean direction / pair cos mean / nearest-neighbour cos in "
+                         f"{st['real']['rows']} rows / participation ratio): "
+                         + "; ".join(f"{name} {x['cos_to_mean_dir']:.3f} / {x['pair_cos_mean']:.3f} / "
+                                     f"{x['nn_cos_mean']:.3f} / {x['participation_ratio']:.1f}"
+                                     for name, x in st.items()))
         lines.append(f"{'':8s} (torch-ram: reference only, TorchIndex's matmul+topk on keys held contiguous in RAM; "
                      f"build s = the one-time concatenation)")
     q = report.get("quiet_wait")
@@ -785,7 +927,9 @@ def summary_text(report: dict[str, Any], k: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], help="backbones to build with")
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"],
+                   help="backbones to build with (model.name_or_path values, or e.g. qwen2.5-3b-random)")
+    p.add_argument("--device", default="auto", help="model.device of the builder section (auto: CUDA if present)")
     p.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"),
                    help="preset giving data.synthetic, chunking and bank settings")
     p.add_argument("--max-chunks", type=int, default=0, help="cap the corpus (whole histories; 0 = all)")
@@ -798,9 +942,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-queries", type=int, default=1000)
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--noise", type=float, default=0.5, help="noise norm of the 'noisy' query set")
+    p.add_argument("--keys", choices=["gauss", "real"], default="gauss",
+                   help="search keys: Gaussian, or grown from --real-bank's keys with --real-data's questions")
+    p.add_argument("--real-bank", default=None, help="a bank built by build_bank.py (--keys real)")
+    p.add_argument("--real-data", default=None, help="its prepared data folder: the real queries (--keys real)")
+    p.add_argument("--real-sigma", type=float, default=0.5,
+                   help="scale of the covariance-shaped noise added to grown keys (--keys real)")
     p.add_argument("--nprobe", nargs="+", type=int, default=[16, 64], help="IVF nprobe values (16 = config default)")
     p.add_argument("--ef-search", nargs="+", type=int, default=[128, 512],
                    help="HNSW ef_search values (128 = config default)")
+    p.add_argument("--nlist", type=int, default=IndexConfig.nlist, help="IVF cells (0 = 4*sqrt(n), the default)")
+    p.add_argument("--hnsw-m", type=int, default=IndexConfig.hnsw_m, help="HNSW graph degree")
+    p.add_argument("--ef-construction", type=int, default=IndexConfig.ef_construction, help="HNSW build beam")
     p.add_argument("--hnsw-max-size", type=int, default=0, help="skip HNSW above this many keys (0 = no cap)")
     p.add_argument("--ivf-max-size", type=int, default=0, help="skip IVF above this many keys (0 = no cap)")
     p.add_argument("--skip-index", nargs="*", default=[], choices=["flat", "ivf", "hnsw"])
@@ -823,6 +976,11 @@ def main(argv: list[str] | None = None) -> int:
 
     QUIET["max_wait_s"], QUIET["threshold"] = args.quiet_wait, args.quiet_threshold
     GUARD["min_share"], GUARD["max_retries"] = args.min_cpu_share, args.max_retries
+    from elasticmem.backbone import resolve_device
+
+    if not args.skip_build and resolve_device(args.device).type == "cuda":
+        GUARD["min_share"], QUIET["max_wait_s"] = 0.0, 0.0
+        log("[build] CUDA: the CPU-share guard and the idle wait are off (GPU-bound runs have a low CPU share)")
     workdir = Path(args.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -869,12 +1027,32 @@ def main(argv: list[str] | None = None) -> int:
         if faiss_version is None:
             args.skip_index = ["flat", "ivf", "hnsw"]
             log("[search] faiss is not installed: only the torch index is measured")
+        real = None
+        if args.keys == "real":
+            if not (args.real_bank and args.real_data):
+                raise SystemExit("--keys real needs --real-bank DIR and --real-data DIR")
+            grown = RealKeys(Bank.open(args.real_bank).keys(), args.real_sigma, args.seed)
+            args.dim = grown.real.shape[1]
+            queries, qinfo = real_queries(args.real_bank, args.real_data, args.num_queries, args.seed)
+            args.num_queries = queries.shape[0]
+            real = (grown, queries)
+            sample = grown.rows(grown.real.shape[0], 4000)
+            report["real_keys"] = {
+                "bank": args.real_bank, "data": args.real_data, "real_rows": grown.real.shape[0],
+                "sigma": args.real_sigma, "queries": qinfo,
+                "structure": {"real": key_structure(grown.real, args.seed), "grown": key_structure(sample, args.seed),
+                              "queries": key_structure(torch.nn.functional.normalize(queries, dim=-1), args.seed)},
+            }
+            for name, x in report["real_keys"]["structure"].items():
+                log(f"[search] {name} keys: " + ", ".join(f"{a} {v:.3f}" for a, v in x.items()))
         report["search_settings"] = {k: getattr(args, k) for k in
-                                     ("dim", "num_queries", "k", "noise", "nprobe", "ef_search", "hnsw_max_size",
-                                      "ivf_max_size", "search_repeats", "shard_rows", "seed")}
+                                     ("keys", "dim", "num_queries", "k", "noise", "nlist", "nprobe", "ef_search",
+                                      "hnsw_m", "ef_construction", "hnsw_max_size", "ivf_max_size",
+                                      "search_repeats", "shard_rows", "seed")}
+        report["search_settings"]["first_query_set"] = "real" if real else "gauss"
         report["search"] = []
         for n in args.sizes:
-            report["search"].extend(bench_search(n, args, workdir))
+            report["search"].extend(bench_search(n, args, workdir, real))
             save_partial()
 
     report["total_s"] = time.perf_counter() - t_start

@@ -1,8 +1,53 @@
 """GRPO step benchmark: our trainer's time per step vs TRL's GRPOTrainer on the same work.
 
+    python benchmarks/grpo_step.py --models qwen2.5-3b-random --device cuda --steps 3 --out /tmp/grpo_3b.json  # GPU
+    python benchmarks/grpo_step.py --models tiny --device cpu --tiny-steps 2 --out /tmp/x.json  # CPU dry run (~15 s)
     python benchmarks/grpo_step.py                                   # tiny + smollm2, B=4 x G=4 (~10-13 min, 2 cores)
     python benchmarks/grpo_step.py --models tiny --tiny-steps 10     # quick (under a minute)
     python benchmarks/grpo_step.py --steps 3 --out /tmp/grpo_step.json
+
+Models (``--models``): ``tiny`` (the tiny preset, ``configs/tiny.yaml``), ``smollm2`` (SmolLM2-135M on
+``configs/quickstart.yaml``) and ``qwen2.5-3b-random``: the tiny preset (tiny task, tiny tokenizer, its
+LoRA, policy and projector settings) with the model shaped like Qwen2.5-3B
+(``elasticmem.backbone.random_shape("qwen2.5-3b")``: hidden 2048, 36 layers, 16 heads, 2 KV heads, MLP
+11008; the preset's tokenizer settings and seed are kept), random weights. Only the decoder is 3B-shaped:
+the vocabulary, hence the embedding and the (tied) LM head, is the tiny tokenizer's (~80 tokens, not
+Qwen's 151k), so logits, sampling and the log-softmax cost far less than Qwen2.5-3B's, and the tiny task's
+sequences are short (~10-20 tokens), so a step is dominated by the 36 layers' kernels and weight reads,
+not by FLOPs. It runs ``--steps`` steps (``--tiny-steps`` is the tiny model's). The random model is
+built (initialised on the CPU with all cores: ~80 s on 2 cores) once per run: every system (the
+script's own backbone, which builds the banks and is TRL's model, and each of our two trainer runs,
+which load their own) gets a deep copy of that CPU model (``elasticmem.backbone.build_tiny_model`` is
+wrapped for the run; the copy is exactly what a rebuild with the same seed gives), which
+``load_backbone`` then moves to the device in its dtype; so 1 build and 3 copies per run. Each load also
+hashes the weights (the bank fingerprint, 3 times), so at 3B most of a run is setup, not the steps.
+
+Device (``--device``): ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto`` (CUDA if available). Both
+systems run on it, one after another in this process. On CUDA the chosen GPU is made the only visible one
+(``CUDA_VISIBLE_DEVICES``, set before CUDA starts: TRL's Trainer always takes ``cuda:0`` and refuses
+several visible GPUs) and the model is in bfloat16 for both (``model.dtype=auto``): our trainer gets
+``model.device=cuda`` and its ``train.mixed_precision=auto`` (bf16 autocast); TRL gets the script's backbone
+(already on the GPU in bf16; the Trainer's ``model.to(cuda:0)`` is then a no-op), ``use_cpu=False`` and
+``bf16=True`` (bf16 autocast). Both add LoRA with PEFT's default (adapter weights in float32, their
+matmuls in bf16 under the autocast). On ``cpu`` the GPUs are hidden (and ``ACCELERATE_USE_CPU`` set),
+the model is in float32 and TRL gets ``use_cpu=True``, ``bf16=False``.
+Timing on CUDA: a step's clock stamps are taken after ``torch.cuda.synchronize()`` in both systems: TRL's
+step callback (``on_step_begin``/``on_step_end``) and its part wrappers synchronize before reading the
+clock, and our trainer's clock (its ``time`` module is replaced for the run, see ``CPU s/step``)
+synchronizes at every stamp. Our trainer itself reads the clock unsynchronized, but synchronizes right
+after most stamps anyway (the rollout ends with the answers decoded to text; ``bool(isfinite(loss))``
+follows the score stamp; ``LossLog.add``'s ``float(loss)`` follows the backward stamp; ``float(grad_norm)``
+precedes the optimizer step), so the added syncs cost it next to nothing and only move the waits into the
+part they belong to; without them the step total would just miss the AdamW kernels after the last sync.
+TRL too synchronizes at those points itself (its loss ends with ``.item()`` on logged metrics, the
+Trainer checks ``isnan(loss)`` after backward, the generation is decoded), so neither system pays for the
+added syncs beyond a few microseconds. Peak GPU memory per system
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` when the system starts; TRL's
+includes the model it is given, ours the model its trainer loads) is printed and written as
+``peak_gpu_mb`` (``peak_gpu_reserved_mb``: the allocator's reserve); before the next system starts the
+previous one's model is released (del, ``gc.collect``, ``torch.cuda.empty_cache``), so the peaks are per
+system; ``gpu_mb_after`` is what was still allocated after the release. The results record the device
+name and dtype.
 
 Prints, per model, the median seconds per GRPO step (rollout -> rewards ->
 advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
@@ -23,7 +68,7 @@ advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
   ``max_completion_length=max_new_tokens``, temperature 1.0 with top_k 0 /
   top_p 1 (plain sampling, like ours), ``beta=0`` (no reference model),
   ``loss_type="grpo"``, ``epsilon`` = our clip_eps (0.05), the preset's lr /
-  weight decay / grad clip, cosine schedule, ``use_cpu=True``, ``bf16=False``,
+  weight decay / grad clip, cosine schedule, ``use_cpu``/``bf16`` by device (above),
   activation (gradient) checkpointing off (TRL defaults it to on, which would
   make it recompute activations; we do not), LoRA through ``peft_config`` with
   the preset's r / alpha / dropout / target modules (minus ``lm_head``, which
@@ -39,8 +84,8 @@ advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
   n_cache = chunking.max_tokens``, over a bank built with ``n_cache =
   chunking.max_tokens``: every retrieved memory injects its *whole* cached
   state sequence, i.e. exactly as many soft tokens as the chunk has text tokens
-  (``c_j = L_j``). Retrieval keeps the preset's mode (tiny: ``frozen``, so the
-  very chunks TRL's prompts hold; SmolLM2: ``control``, the method's
+  (``c_j = L_j``). Retrieval keeps the preset's mode (tiny presets: ``frozen``, so the
+  very chunks TRL's prompts hold, up to bf16 rounding on a GPU; SmolLM2: ``control``, the method's
   control-token retrieval, so the chunks and their lengths differ a little:
   compare the token columns). This is the same work as TRL's up to the
   text-vs-soft-token difference, plus ElasticMem's own parts (control token,
@@ -63,22 +108,24 @@ step of every run is a warm-up and is dropped; the rest give the median. The
 ratio is median ours (text-equiv) / median TRL (goal <= 1.0); ours
 (default) / TRL is printed too.
 
-Data: the tiny model trains on the tiny synthetic task (``configs/tiny.yaml``,
+Data: the tiny models train on the tiny synthetic task (``configs/tiny.yaml``,
 ``data.synthetic``), SmolLM2 on the persona task (``configs/quickstart.yaml``),
 written with ``write_synthetic`` into a temp dir. Both systems see the same
 queries in the same order: the B queries of step k are those our
 ``QuerySampler`` draws (seeded permutation of the train split), and TRL's
 dataset is those queries in that order with ``shuffle_dataset=False``. Banks
-hold the histories of those queries only (built with ``build_bank`` using the
-backbone before anything wraps it; cache float32). Model settings are the
+hold the histories of all training queries (our trainer checks that every
+example of its split has its history in the bank; built with ``build_bank``
+using the backbone before anything wraps it; cache float32). Model settings are the
 preset's (``memory.*``, ``train.lr``...), except ``top_z`` (SmolLM2: 4 by
 default, ``--top-z``) and the settings above. SmolLM2 needs ``python -m
 elasticmem.backbone fetch smollm2`` once (skipped with a message otherwise).
 
 Threads: ``--threads 1`` by default (on a shared 2-core machine two intra-op
-threads fighting other jobs make small ops 5-10x slower and times swing); the
-three runs of a model run one after another in this process, so a busy
-machine affects them unevenly; the load average is printed. On the shared
+threads fighting other jobs make small ops 5-10x slower and times swing; the
+random 3B model's one-off initialisation uses all cores); the three runs of a
+model run one after another in this process, so a busy machine affects them
+unevenly; the load average is printed. On the shared
 machine this was written on, the tiny model's ratio (a step is ~30-60 ms,
 mostly fixed Python overhead) moved between 1.1x and 1.5x from run to run, and
 SmolLM2's between 0.6x and 0.85x.
@@ -87,7 +134,9 @@ SmolLM2's between 0.6x and 0.85x.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -97,6 +146,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,17 +157,21 @@ if str(REPO) not in sys.path:
 
 import torch
 
-from elasticmem.backbone import load_backbone
+import elasticmem.backbone as backbone_mod
+from elasticmem.backbone import load_backbone, random_shape
 from elasticmem.bank import Bank, build_bank
 from elasticmem.bank.index import TorchIndex
-from elasticmem.config import Config, load_config
+from elasticmem.config import Config, TinyModelConfig, load_config
 from elasticmem.data.schema import Example, load_split
 from elasticmem.data.synthetic import write_synthetic
 from elasticmem.grpo.rewards import mc_letter_reward
 from elasticmem.grpo.trainer import QuerySampler
 from elasticmem.model.elasticmem import format_options
 
-PRESETS = {"tiny": REPO / "configs" / "tiny.yaml", "smollm2": REPO / "configs" / "quickstart.yaml"}
+TINY_PRESET = REPO / "configs" / "tiny.yaml"
+PRESETS = {"tiny": TINY_PRESET, "smollm2": REPO / "configs" / "quickstart.yaml", "qwen2.5-3b-random": TINY_PRESET}
+# models that are the preset's tiny model with another shape (elasticmem.backbone.RANDOM_SHAPES)
+RANDOM_SHAPED = {"qwen2.5-3b-random": "qwen2.5-3b"}
 PARTS = ("rollout", "score", "backward", "other")
 
 
@@ -131,6 +185,126 @@ def med(xs: Sequence[float]) -> float:
 
 def mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
+
+
+# =========================================================================== device
+
+
+def select_device(spec: str) -> str:
+    """'cpu' or 'cuda' for ``--device``. Must run before anything starts CUDA: on CUDA it makes the
+    chosen GPU the only visible one (TRL's Trainer always takes cuda:0 and refuses several visible
+    GPUs, our trainer's accelerator takes the current one), on CPU it hides the GPUs (our trainer
+    would otherwise take one: it follows torch.cuda.is_available(), not model.device)."""
+    if spec == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # also honoured by our trainer and TRL, should CUDA be up already
+        return "cpu"
+    if spec != "auto" and spec != "cuda" and not (spec.startswith("cuda:") and spec[5:].isdigit()):
+        raise SystemExit(f"--device {spec!r}: use cpu, cuda, cuda:N or auto")
+    index = int(spec[5:]) if spec.startswith("cuda:") else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_initialized():
+        raise SystemExit("CUDA was started before --device was applied; set CUDA_VISIBLE_DEVICES yourself")
+    if visible is None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    else:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if index < len(ids):
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+        elif spec != "auto":
+            raise SystemExit(f"--device {spec}: CUDA_VISIBLE_DEVICES={visible!r} has no GPU {index}")
+    if not torch.cuda.is_available():
+        if spec == "auto":
+            return select_device("cpu")
+        raise SystemExit(f"--device {spec}: CUDA is not available")
+    if torch.cuda.device_count() != 1:  # CUDA_VISIBLE_DEVICES came too late (something queried CUDA before)
+        raise SystemExit(f"--device {spec}: {torch.cuda.device_count()} GPUs visible; run with "
+                         f"CUDA_VISIBLE_DEVICES=<the one GPU> --device cuda")
+    return "cuda"
+
+
+class Device:
+    """Synchronisation and per-system GPU memory accounting (no-ops on the CPU)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.cuda = kind == "cuda"
+        self.name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Free what is no longer referenced (a previous system's model) and hand cached blocks back."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def start(self) -> None:
+        """Before a system runs: release the previous one, reset the peak statistics."""
+        self.release()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> dict[str, float | None]:
+        """After a system ran: its peak GPU memory (MB) since ``start``."""
+        if not self.cuda:
+            return {"peak_gpu_mb": None, "peak_gpu_reserved_mb": None}
+        return {"peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved() / 2**20}
+
+    def allocated_mb(self) -> float | None:
+        return torch.cuda.memory_allocated() / 2**20 if self.cuda else None
+
+
+class BuildOnce:
+    """While active, ``elasticmem.backbone.build_tiny_model`` builds each (shape, tokenizer) once (the
+    random initialisation, with all CPU cores) and hands out a deep copy of that CPU model per call, so
+    ``load_backbone`` (ours and the script's) gets exactly what a rebuild with the same seed gives and
+    moves it to its device and dtype as usual. Keeps weak references to the copies it handed out, to
+    check that a finished system's model was released."""
+
+    def __init__(self) -> None:
+        self.pristine: dict[tuple, torch.nn.Module] = {}
+        self.handed: list[weakref.ref] = []
+        self.builds = self.copies = 0
+        self.build_s = 0.0
+
+    def __enter__(self) -> BuildOnce:
+        self.orig = backbone_mod.build_tiny_model
+        backbone_mod.build_tiny_model = self.build
+        return self
+
+    def __exit__(self, *exc) -> None:
+        backbone_mod.build_tiny_model = self.orig
+        self.pristine.clear()
+
+    def build(self, cfg, tokenizer) -> torch.nn.Module:
+        key = (repr(cfg), len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        if key not in self.pristine:
+            threads = torch.get_num_threads()
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            build_threads = max(threads, min(cores, 32))
+            torch.set_num_threads(build_threads)  # the same weights with any thread count
+            t = time.perf_counter()
+            try:
+                self.pristine[key] = self.orig(cfg, tokenizer)
+            finally:
+                torch.set_num_threads(threads)
+            self.build_s += time.perf_counter() - t
+            self.builds += 1
+            n = sum(p.numel() for p in self.pristine[key].parameters())
+            log(f"  random model built: {n / 1e6:.1f}M params in {time.perf_counter() - t:.1f} s "
+                f"({build_threads} threads); every load gets a copy")
+        model = copy.deepcopy(self.pristine[key])
+        self.copies += 1
+        self.handed.append(weakref.ref(model))
+        return model
+
+    def alive(self) -> int:
+        """How many handed-out models are still referenced."""
+        return sum(r() is not None for r in self.handed)
 
 
 # =========================================================================== setup
@@ -206,14 +380,18 @@ def lora_targets(cfg: Config) -> list[str]:
     return [x for x in cfg.memory.lora.target_modules if x != "lm_head"]
 
 
-def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict[str, Example], args, B: int,
-            G: int, steps: int, out_dir: Path) -> dict[str, Any]:
+def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict[str, Example], dev: Device,
+            B: int, G: int, steps: int, out_dir: Path) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     completion_lengths: list[int] = []
+    first = next(backbone.model.parameters())
+    dtype = first.dtype
+    if first.device.type != dev.kind:
+        raise RuntimeError(f"TRL's model is on {first.device}, not {dev.kind}")
 
     def reward(prompts, completions, ex_id, completion_ids=None, **kw):  # TRL's reward signature
         if completion_ids is not None:
@@ -228,10 +406,12 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
 
         def on_step_begin(self, args, state, control, **kw):
             self.cur = dict.fromkeys(("rollout", "score", "backward"), 0.0)
+            dev.sync()
             self.c0 = time.process_time()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            dev.sync()
             self.cur["total"] = time.perf_counter() - self.t0
             self.cur["cpu"] = time.process_time() - self.c0
             self.steps.append(self.cur)
@@ -240,10 +420,12 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
 
     def timed(fn, part):
         def wrapper(*a, **k):
+            dev.sync()
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                dev.sync()
                 if timer.cur:
                     timer.cur[part] += time.perf_counter() - t
         return wrapper
@@ -258,7 +440,8 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
         gradient_accumulation_steps=1, num_iterations=1, max_completion_length=m.max_new_tokens,
         temperature=1.0, top_k=0, top_p=1.0, beta=0.0, loss_type="grpo", epsilon=t.loss.clip_eps,
         scale_rewards="group", learning_rate=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        lr_scheduler_type="cosine", use_cpu=True, bf16=False, fp16=False, **no_checkpointing,
+        lr_scheduler_type="cosine", use_cpu=not dev.cuda, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, **no_checkpointing,
         report_to=[], logging_steps=10**6, save_strategy="no", shuffle_dataset=False, seed=cfg.seed,
         dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
     )
@@ -289,6 +472,7 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
         "prompt_tokens_per_traj": mean([p["prompt_tokens"] for p in used]),
         "completion_tokens_per_traj": mean(completion_lengths[B * G:]),
         "tokens_per_traj": mean([p["prompt_tokens"] for p in used]) + mean(completion_lengths[B * G:]),
+        "bf16": conf.bf16, "use_cpu": conf.use_cpu,
     }
 
 
@@ -298,12 +482,15 @@ def run_trl(backbone, cfg: Config, prompts: list[dict[str, Any]], examples: dict
 class _Clock:
     """Stands in for the ``time`` module inside the trainer: the same ``perf_counter`` values, each
     call also recording the process CPU time, so a step's CPU time can be found from the wall
-    stamps that bound it (the trainer's ``time/total`` is the difference of two of them)."""
+    stamps that bound it (the trainer's ``time/total`` is the difference of two of them). On CUDA
+    every stamp first synchronizes."""
 
-    def __init__(self) -> None:
+    def __init__(self, dev: Device) -> None:
         self.stamps: list[tuple[float, float]] = []
+        self.dev = dev
 
     def perf_counter(self) -> float:
+        self.dev.sync()  # on CUDA: the stamp comes after the work queued before it
         wall = time.perf_counter()
         self.stamps.append((wall, time.process_time()))
         return wall
@@ -320,11 +507,11 @@ class _Clock:
         return float("nan")
 
 
-def run_ours(preset: Path, overrides: list[str], label: str) -> dict[str, Any]:
+def run_ours(preset: Path, overrides: list[str], label: str, dev: Device) -> dict[str, Any]:
     import elasticmem.grpo.trainer as trainer_mod
 
     cfg = load_config(str(preset), overrides)
-    clock = _Clock()
+    clock = _Clock(dev)
     t0 = time.perf_counter()
     trainer_mod.time = clock
     try:
@@ -370,35 +557,74 @@ def summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
 # =========================================================================== one model
 
 
-def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
+def tiny_overrides(preset: TinyModelConfig, shape: TinyModelConfig) -> list[str]:
+    """``model.tiny.*`` overrides that turn the preset's tiny model into ``shape``."""
+    out = []
+    for f in dataclasses.fields(shape):
+        v = getattr(shape, f.name)
+        if v != getattr(preset, f.name):
+            out.append(f"model.tiny.{f.name}={v if isinstance(v, str) else json.dumps(v)}")
+    return out
+
+
+def release_check(builds: BuildOnce, dev: Device, label: str) -> float | None:
+    """After a system: free its model; warn if a model handed out for it is still referenced."""
+    dev.release()
+    if builds.alive():
+        log(f"  WARNING: {builds.alive()} model(s) still referenced after {label}: not freed")
+    after = dev.allocated_mb()
+    if after is not None:
+        log(f"  GPU memory still allocated after {label}: {after:.0f} MB")
+    return after
+
+
+def bench_model(name: str, args, workdir: Path, dev: Device) -> dict[str, Any] | None:
+    with BuildOnce() as builds:
+        return _bench_model(name, args, workdir, dev, builds)
+
+
+def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce) -> dict[str, Any] | None:
     preset = PRESETS[name]
     cfg = load_config(str(preset))
+    shape_overrides: list[str] = []
+    if name in RANDOM_SHAPED:
+        # the preset's tiny model (tokenizer settings, seed) with a released model's decoder shape
+        tiny = dataclasses.replace(random_shape(RANDOM_SHAPED[name], seed=cfg.model.tiny.seed),
+                                   char_fallback=cfg.model.tiny.char_fallback, vocabulary=cfg.model.tiny.vocabulary)
+        shape_overrides = tiny_overrides(cfg.model.tiny, tiny)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tiny=tiny))
+        assert load_config(str(preset), shape_overrides).model.tiny == tiny, shape_overrides
     B, G = args.batch, args.group
     steps = args.tiny_steps if name == "tiny" else args.steps
     if steps < 2:
         raise SystemExit("need at least 2 steps (the first is a warm-up)")
-    Z = args.top_z if args.top_z is not None else (cfg.memory.top_z if name == "tiny" else 4)
+    Z = args.top_z if args.top_z is not None else (cfg.memory.top_z if preset == TINY_PRESET else 4)
     micro = args.micro_batch or B * G
     root = workdir / name
+    t_load = time.perf_counter()
     try:
-        backbone = load_backbone(dataclasses.replace(cfg.model, device="cpu"))
+        backbone = load_backbone(dataclasses.replace(cfg.model, device=dev.kind))
     except FileNotFoundError as e:
         log(f"[{name}] skipped: {e}")
         return None
+    t_load = time.perf_counter() - t_load
     n_params = sum(p.numel() for p in backbone.model.parameters())
-    log(f"[{name}] {n_params / 1e6:.2f}M params; preset {preset.name}; B={B}, G={G}, Z={Z}, "
-        f"max_new_tokens={cfg.memory.max_new_tokens}, LoRA r={cfg.memory.lora.r} on {lora_targets(cfg)}, "
-        f"{steps} steps per system (first dropped), micro-batch {micro}")
+    dtype = next(backbone.model.parameters()).dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    shaped = f" + {' '.join(shape_overrides)}" if shape_overrides else ""
+    log(f"[{name}] {n_params / 1e6:.2f}M params; preset {preset.name}{shaped}; "
+        f"B={B}, G={G}, Z={Z}, max_new_tokens={cfg.memory.max_new_tokens}, LoRA r={cfg.memory.lora.r} on "
+        f"{lora_targets(cfg)}, {steps} steps per system (first dropped), micro-batch {micro}; "
+        f"{dev.name}, {dtype_name}; loaded in {t_load:.1f} s")
     data_dir = root / "data"
     write_synthetic(cfg.data.synthetic, cfg.seed, data_dir)
     train_split = load_split(data_dir, "train")
     batches = drawn_batches(train_split, B, steps, cfg.seed)
     queries = [ex for b in batches for ex in b]
-    groups = {ex.group for ex in queries}
-    members = [ex for ex in train_split if ex.group in groups]
     n_full = cfg.chunking.max_tokens
-    bank_full = make_bank(backbone, cfg, members, root / "bank-full", n_full)
-    bank_default = make_bank(backbone, cfg, members, root / "bank-default", cfg.bank.n_cache)
+    # every training history: our trainer checks that each example of its split has its history in the bank
+    bank_full = make_bank(backbone, cfg, train_split, root / "bank-full", n_full)
+    bank_default = make_bank(backbone, cfg, train_split, root / "bank-default", cfg.bank.n_cache)
     t = time.perf_counter()
     prompts = text_prompts(backbone, cfg, bank_full, queries, Z)
     log(f"  text prompts for TRL: {len(prompts)} queries, retrieval {time.perf_counter() - t:.1f} s; "
@@ -406,8 +632,8 @@ def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
         f"{mean([p['memory_tokens'] for p in prompts]):.1f} of them chunk text")
 
     common = [
-        f"seed={cfg.seed}", "model.device=cpu", f"data.dir={data_dir}", f"memory.top_z={Z}",
-        f"train.max_steps={steps}", f"train.batch_size={B}", f"train.group_size={G}",
+        f"seed={cfg.seed}", f"model.device={dev.kind}", *shape_overrides, f"data.dir={data_dir}",
+        f"memory.top_z={Z}", f"train.max_steps={steps}", f"train.batch_size={B}", f"train.group_size={G}",
         f"train.micro_batch_size={micro}", "train.num_iterations=1", "train.temperature=1.0",
         "train.eval_split=", "train.save_every=1000000", "train.resume=false", "train.trackers=[]",
         f"memory.lora.target_modules={json.dumps(lora_targets(cfg))}",
@@ -417,25 +643,37 @@ def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
     order = ["trl", "ours_text", "ours_default"]
     for system in order:
         log(f"[{name}] {system} ...")
+        reset_accelerate_state()
+        dev.start()
         if system == "trl":
-            results[system] = run_trl(backbone, cfg, prompts, examples, args, B, G, steps, root / "trl")
+            results[system] = run_trl(backbone, cfg, prompts, examples, dev, B, G, steps, root / "trl")
+            results[system].update(dev.peak())
             del backbone  # TRL wrapped it with peft; ours loads its own
         elif system == "ours_text":
             results[system] = run_ours(preset, common + [
                 f"bank.dir={bank_full}", f"train.output_dir={root / 'ours-text'}",
                 "memory.policy.variant=uniform", f"memory.policy.max_budget={n_full}",
                 f"memory.policy.uniform_budget={n_full}",
-            ], "ours(text-equiv)")
+            ], "ours(text-equiv)", dev)
+            results[system].update(dev.peak())
         else:
             results[system] = run_ours(preset, common + [
                 f"bank.dir={bank_default}", f"train.output_dir={root / 'ours-default'}",
-            ], "ours(default)")
+            ], "ours(default)", dev)
+            results[system].update(dev.peak())
+        if dev.cuda:
+            log(f"  {system}: peak GPU memory {results[system]['peak_gpu_mb']:.0f} MB allocated, "
+                f"{results[system]['peak_gpu_reserved_mb']:.0f} MB reserved")
+        results[system]["gpu_mb_after"] = release_check(builds, dev, system)
     trl_s = results["trl"]["s_per_step"]
     d = cfg.memory
     return {
         "model": name, "params_M": n_params / 1e6, "B": B, "G": G, "top_z": Z, "steps": steps,
-        "micro_batch_size": micro,
-        "settings": {"max_new_tokens": d.max_new_tokens, "lora": {**dataclasses.asdict(d.lora), "target_modules": lora_targets(cfg)},
+        "micro_batch_size": micro, "device": dev.kind, "device_name": dev.name, "dtype": dtype_name,
+        "model_builds": builds.builds, "model_copies": builds.copies, "model_build_s": builds.build_s,
+        "shape": dataclasses.asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
+        "settings": {"max_new_tokens": d.max_new_tokens,
+                     "lora": {**dataclasses.asdict(d.lora), "target_modules": lora_targets(cfg)},
                      "retrieval": d.retrieval, "default_policy": d.policy.variant,
                      "default_max_budget": d.policy.max_budget, "default_n_cache": cfg.bank.n_cache,
                      "text_equiv_budget": n_full, "lr": cfg.train.lr},
@@ -444,6 +682,14 @@ def bench_model(name: str, args, workdir: Path) -> dict[str, Any] | None:
         "ratio_default": results["ours_default"]["s_per_step"] / trl_s,
         "cpu_ratio": results["ours_text"]["cpu_s_per_step"] / results["trl"]["cpu_s_per_step"],
     }
+
+
+def reset_accelerate_state() -> None:
+    """Each system starts from a fresh accelerate state (a process-wide singleton that refuses a
+    second Accelerator with other settings); TRL's TrainingArguments resets it the same way."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # =========================================================================== report
@@ -456,11 +702,12 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
     if not results:
         log("no results")
         return
-    w = 142
+    w = 170
     log("")
     log("=" * w)
-    log(f"{'model':<8} {'system':<18} {'s/step':>8} {'ours/TRL':>9} {'rollout':>8} {'score':>8} {'backward':>9} "
-        f"{'other':>7}  {'CPU s/step':>10} {'CPU ratio':>9}  {'mem tok/traj':>12} {'tok/traj':>9}  {'steps':>5}")
+    log(f"{'model':<17} {'system':<18} {'s/step':>8} {'ours/TRL':>9} {'rollout':>8} {'score':>8} {'backward':>9} "
+        f"{'other':>7}  {'CPU s/step':>10} {'CPU ratio':>9}  {'mem tok/traj':>12} {'tok/traj':>9}  {'steps':>5}  "
+        f"{'peak GPU MB':>11}")
     log("-" * w)
     for r in results:
         for key in ("trl", "ours_text", "ours_default"):
@@ -468,15 +715,18 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
             sp = x["split"]
             ratio = "" if key == "trl" else f"{x['s_per_step'] / r['systems']['trl']['s_per_step']:.2f}x"
             cpu_ratio = "" if key == "trl" else f"{x['cpu_s_per_step'] / r['systems']['trl']['cpu_s_per_step']:.2f}x"
-            log(f"{r['model']:<8} {LABELS[key]:<18} {x['s_per_step']:>8.3f} {ratio:>9} {sp['rollout']:>8.3f} "
+            peak = "-" if x.get("peak_gpu_mb") is None else f"{x['peak_gpu_mb']:.0f}"
+            log(f"{r['model']:<17} {LABELS[key]:<18} {x['s_per_step']:>8.3f} {ratio:>9} {sp['rollout']:>8.3f} "
                 f"{sp['score']:>8.3f} {sp['backward']:>9.3f} {sp['other']:>7.3f}  "
-                f"{x['cpu_s_per_step']:>10.3f} {cpu_ratio:>9}  {x['memory_tokens_per_traj']:>12.1f} {x['tokens_per_traj']:>9.1f}  {x['steps_timed']:>5}")
+                f"{x['cpu_s_per_step']:>10.3f} {cpu_ratio:>9}  {x['memory_tokens_per_traj']:>12.1f} "
+                f"{x['tokens_per_traj']:>9.1f}  {x['steps_timed']:>5}  {peak:>11}")
     log("-" * w)
     for r in results:
         ok = "meets" if r["ratio"] <= goal else "misses"
         log(f"{r['model']}: ours (text-equiv) / TRL = {r['ratio']:.2f}x per step ({ok} the <= {goal:g}x goal); "
             f"ours (default) / TRL = {r['ratio_default']:.2f}x; B={r['B']}, G={r['G']}, Z={r['top_z']}, "
-            f"medians of {r['steps'] - 1} steps after a warm-up; in CPU time {r['cpu_ratio']:.2f}x")
+            f"medians of {r['steps'] - 1} steps after a warm-up; in CPU time {r['cpu_ratio']:.2f}x; "
+            f"{r['device_name']}, {r['dtype']}")
     log("split (s, medians per part): rollout = sampling + rewards (TRL: _generate_and_score_completions, also "
         "advantages); score = the training forward + loss (TRL: compute_loss); backward; other = the rest of the "
         "step (advantages, clip, AdamW, scheduler)")
@@ -485,12 +735,18 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
     log("mem tok/traj: TRL = text tokens of the retrieved chunks in the prompt; ours = injected soft tokens "
         "(B_mem). tok/traj: TRL = prompt + completion tokens; ours = #Tok (task text + soft tokens + separators "
         "+ answer)")
+    log("peak GPU MB: torch.cuda.max_memory_allocated during the system's run (TRL: with the model it is given; "
+        "ours: with the model its trainer loads); '-' on the CPU")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=list(PRESETS))
-    p.add_argument("--steps", type=int, default=3, help="GRPO steps per system for SmolLM2 (first is dropped)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N or auto (CUDA if available); both systems run on it")
+    p.add_argument("--steps", type=int, default=3,
+                   help="GRPO steps per system for smollm2 and qwen2.5-3b-random (first is dropped)")
     p.add_argument("--tiny-steps", type=int, default=10, help="GRPO steps per system for the tiny model")
     p.add_argument("--batch", type=int, default=4, help="B: queries per step")
     p.add_argument("--group", type=int, default=4, help="G: trajectories per query")
@@ -503,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="temp folder (default: a new one, deleted at the end)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
+    dev = Device(select_device(args.device))  # before anything starts CUDA
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
@@ -510,14 +767,15 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"GRPO step benchmark: torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-        f"{platform.processor() or platform.machine()}, load avg {os.getloadavg()[0]:.2f}")
+        f"{platform.processor() or platform.machine()}, load avg {os.getloadavg()[0]:.2f}; device {dev.name}"
+        + (f" (CUDA {torch.version.cuda})" if dev.cuda else ""))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elasticmem-grpo-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
     loads = [os.getloadavg()[0]]
     try:
         for name in args.models:
-            r = bench_model(name, args, workdir)
+            r = bench_model(name, args, workdir, dev)
             loads.append(os.getloadavg()[0])
             if r is not None:
                 results.append(r)
@@ -530,7 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                 "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
-                "load_avg": loads}
+                "load_avg": loads, "device": dev.kind, "device_name": dev.name,
+                "cuda": torch.version.cuda if dev.cuda else None}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         log(f"wrote {args.out}")
     return 0

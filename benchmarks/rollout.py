@@ -1,8 +1,23 @@
 """Rollout benchmark: batched GRPO sampling vs the reference code's one-trajectory-at-a-time loop.
 
-    python benchmarks/rollout.py                                  # tiny + smollm2, B=4 x G=4, 3 repeats
-    python benchmarks/rollout.py --models tiny --repeats 5        # quick (seconds)
+    python benchmarks/rollout.py                                  # tiny + smollm2 on CPU, B=4 x G=4, 3 repeats
+    python benchmarks/rollout.py --models tiny --tiny-repeats 5   # quick (seconds)
     python benchmarks/rollout.py --batch 2 --group 8 --out /tmp/rollout.json
+    python benchmarks/rollout.py --models qwen2.5-3b-random --device cuda --goal 10 --out /tmp/rollout.json  # GPU
+
+Models (``--models``): ``tiny`` (the test model, ``--tiny-repeats`` rounds), ``smollm2``
+(SmolLM2-135M-Instruct, fetched once) and ``qwen2.5-3b-random``: a random Qwen2 with
+Qwen2.5-3B's decoder shape (``elasticmem.backbone.random_shape``: d 2048, 36 layers, 16 query /
+2 KV heads, MLP 11008; no download). Its vocabulary, and so its embedding and LM head, is the
+tiny word-piece tokenizer's (a few hundred rows, not Qwen's 151k), so the per-token LM-head and
+sampling cost is far below the real model's, and a random model's answers run to
+``max_new_tokens`` or stop at a random EOS: it measures the decoder's cost at the real width and
+depth, not the real model's output lengths. Building it takes ~80 s on 2 CPU cores (float32 on
+the CPU, then moved and cast); the time is printed and recorded (``load_seconds``). The last
+two use ``--repeats`` rounds.
+
+``--device``: ``cpu`` (default), ``cuda``, ``cuda:1``, or ``auto`` (CUDA if available). The
+compute dtype is ``model.dtype: auto``'s: bfloat16 on CUDA, float32 on CPU.
 
 Prints, per model, trajectories/s of
 
@@ -22,7 +37,7 @@ Prints, per model, trajectories/s of
   token at a time on the KV cache (``model.base(input_ids=tok, cache=...)``),
   sampling from softmax(logits) with ``torch.multinomial`` and stopping at EOS.
 
-and their ratio batched / baseline (goal >= 3x at B*G = 16 on CPU), next to
+and their ratio batched / baseline (``--goal``: 3x at B*G = 16 on CPU; the GPU check passes 10), next to
 absolute trajectories/s and the per-phase split (``Trajectories.timings`` for
 the batched path; the same three phases timed in the baseline: retrieval =
 text encoding + prompt/control forwards + top-Z, policy, generation = soft
@@ -32,14 +47,16 @@ Inputs: the synthetic persona task (``elasticmem.data.synthetic.generate`` with
 ``configs/quickstart.yaml``'s ``data.synthetic`` and seed) for both models.
 The B queries are the first example of each of the first B histories (one
 query per history, as a shuffled GRPO batch would have); a bank of those
-histories (``chunking``/``bank`` settings of the same preset, cache dtype
-float32) is built in-process with ``build_bank`` into a temp folder using the
+histories (``chunking``/``bank`` settings of the same preset; cache dtype float32
+on CPU, float16 on CUDA: ``bank.cache_dtype: auto``'s, what a GPU run would store) is
+built in-process with ``build_bank`` into a temp folder using the
 same backbone BEFORE ElasticMem wraps it with peft (in place). Model settings
 are ``MemoryConfig()`` defaults (the paper's: top_z 20, B_max 20, policy d_b 256,
 projector d_p 2560, LoRA r 16 on q/k/v/o) with max_new_tokens 5, unless a flag
 overrides them; weights of LoRA (B = 0 as peft initialises it), policy and
 projector are untrained, seeded. The model is in eval mode and everything runs
-under ``torch.no_grad()`` on CPU.
+under ``torch.no_grad()`` on ``--device``; every tensor this file makes (prompt ids, the
+floor's index tensors) is made on the model's device, sampled tokens stay there.
 
 **Compute floor** (issue 15's CPU yardstick): after every timed batched call, one bare batched
 forward over exactly the positions that rollout processed, at the same batch size: each
@@ -50,12 +67,24 @@ positions whose logits the rollout needed (the last suffix token and each fed an
 ``torch.no_grad()``. No sampling, retrieval, policy, projector or cache bookkeeping: the least
 compute that produces those logits with this model (prompts repeated per trajectory, as the
 batched rollout repeats them). Reported: batched rollout seconds / floor seconds (medians; goal
-<= 1.2), and the peak resident memory of the process (``ru_maxrss``).
+<= 1.2), and the peak resident memory of the process (``ru_maxrss``; for the whole process,
+so with ``qwen2.5-3b-random`` it is the float32 build on the CPU, ~12 GB, not the rollouts).
+On CUDA also the peak GPU memory (``torch.cuda.max_memory_allocated``, reset after the
+checks below, so it is the warm-up, the timed rollouts and floors on top of what is resident:
+weights, LoRA, policy, projector) as ``peak_gpu_mb``, with the resident part at the reset as
+``gpu_resident_mb``; the GPU's name and the compute dtype are recorded.
 
 Equivalence check (once, at the start, per model): the baseline in greedy mode
 (argmax control token, argmax budgets, argmax answer tokens) must give the same
 control token, retrieved rows, budgets and answer tokens as
-``model.greedy([ex])`` for ``--check`` examples; the script stops otherwise.
+``model.greedy([ex])`` for ``--check`` examples; the script stops otherwise. Both checks
+(this one and the compute floor's) run in float32: a model in another dtype (bfloat16 on CUDA)
+has its weights cast to float32 for them and back after (bfloat16 -> float32 -> bfloat16 is
+exact; each tensor gets its own dtype back, so peft's float32 LoRA weights stay float32).
+They check which tokens and positions the paths process; in bfloat16 the batched,
+padded, uncached kernels and the one-at-a-time ones round differently, enough to flip the
+argmax of a random model's near-tied logits, which would stop the run without any error in
+the code.
 
 Threads: ``--threads 1`` by default. On the shared 2-core machine this was
 written on, two intra-op threads competing with other jobs made every small op
@@ -69,7 +98,12 @@ trajectories (the order alternates between rounds). Medians are reported; the
 ratio is median batched traj/s / median baseline traj/s. Budgets and answers
 are sampled, so sequence lengths differ between runs; the mean injected soft
 tokens and generated tokens per trajectory of each path are printed so the
-work can be compared.
+work can be compared. On CUDA, kernels run asynchronously: every clock read of this file
+(each batched call, baseline pass and compute floor, and the baseline's phase clocks) is
+preceded by ``torch.cuda.synchronize``, so a region's time is the GPU work it queued, not the
+time to queue it. The batched path's phase split (``Trajectories.timings``, read inside the
+model) is not synchronized by this file, but each of its phase ends follows a copy to the CPU
+that waits for the GPU (query states for the top-Z search, budgets, answer ids).
 
 Choices that make the baseline a little faster than the reference code (so the
 ratio is, if anything, conservative): the answer-prefill forward computes
@@ -83,7 +117,10 @@ suffix), the answer prefill re-reads the whole sequence; the prompt is ~1-5% of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
+import itertools
 import json
 import os
 import platform
@@ -94,7 +131,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -102,8 +139,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from elasticmem.backbone import load_backbone  # noqa: E402
-from elasticmem.bank import Bank, build_bank  # noqa: E402
+from elasticmem.backbone import load_backbone, random_shape, resolve_device  # noqa: E402
+from elasticmem.bank import Bank, build_bank, resolve_cache_dtype  # noqa: E402
 from elasticmem.config import LoraConfig, MemoryConfig, ModelConfig, load_config  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402
 from elasticmem.model.budget_policy import BudgetPolicyConfig  # noqa: E402
@@ -112,10 +149,43 @@ from elasticmem.model.injection import Layout, assemble  # noqa: E402
 from elasticmem.model.projector import ProjectorConfig  # noqa: E402
 
 PHASES = ("retrieval", "policy", "generation")
+RANDOM_MODELS = {"qwen2.5-3b-random": "qwen2.5-3b"}
+"""``--models`` choice -> ``elasticmem.backbone.random_shape`` name: a random model at a released model's shape."""
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tick(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished the work queued so far."""
+    sync(device)
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def float32_weights(module: torch.nn.Module) -> Iterator[None]:
+    """Inside the block every floating parameter and buffer of ``module`` is float32; after it each
+    gets its own dtype back (bfloat16/float16 -> float32 -> back is exact). Ties are kept: a tensor
+    is changed in place (``.data``), and shared ones are visited once."""
+    low = [t for t in itertools.chain(module.parameters(), module.buffers())
+           if t.is_floating_point() and t.dtype != torch.float32]
+    dtypes = [t.dtype for t in low]
+    for t in low:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dt in zip(low, dtypes):
+            t.data = t.data.to(dt)
+        if low and any(t.is_cuda for t in low):
+            torch.cuda.empty_cache()
 
 
 def med(xs: Sequence[float]) -> float:
@@ -145,7 +215,8 @@ def memory_config(args) -> MemoryConfig:
     policy = dataclasses.replace(
         d.policy, **{k: v for k, v in (("d_model", args.policy_d), ("max_budget", args.max_budget)) if v is not None}
     )
-    projector = d.projector if args.projector_d is None else dataclasses.replace(d.projector, hidden_size=args.projector_d)
+    projector = (d.projector if args.projector_d is None
+                 else dataclasses.replace(d.projector, hidden_size=args.projector_d))
     lora = d.lora if args.lora_r is None else dataclasses.replace(d.lora, r=args.lora_r, alpha=2 * args.lora_r)
     top_z = d.top_z if args.top_z is None else args.top_z
     assert isinstance(policy, BudgetPolicyConfig) and isinstance(projector, ProjectorConfig)
@@ -154,27 +225,43 @@ def memory_config(args) -> MemoryConfig:
                                projector=projector, lora=lora)
 
 
+def model_config(model_name: str, device: str) -> ModelConfig:
+    """``tiny``/``smollm2`` by name; a ``RANDOM_MODELS`` choice as the tiny model at that shape."""
+    if model_name in RANDOM_MODELS:
+        return ModelConfig(name_or_path="tiny", tiny=random_shape(RANDOM_MODELS[model_name]), device=device)
+    return ModelConfig(name_or_path=model_name, device=device)
+
+
 def setup(model_name: str, args, workdir: Path):
-    """Backbone -> bank (built before peft wraps the backbone) -> ElasticMem in eval mode."""
+    """Backbone -> bank (built before peft wraps the backbone) -> ElasticMem in eval mode.
+
+    Returns the model, the B examples, the bank's BuildResult and the build times, or None
+    when the model is not available offline."""
     cfg = load_config(args.config)
-    mcfg = ModelConfig(name_or_path=model_name, device="cpu")
+    mcfg = model_config(model_name, args.device)
     t = time.perf_counter()
     try:
         backbone = load_backbone(mcfg)
     except FileNotFoundError as e:
         log(f"[{model_name}] skipped: {e}")
         return None
-    log(f"[{model_name}] backbone loaded in {time.perf_counter() - t:.1f} s "
-        f"(d={backbone.hidden_size}, {sum(p.numel() for p in backbone.model.parameters()) / 1e6:.1f}M params, "
-        f"{next(backbone.model.parameters()).dtype})")
+    sync(backbone.device)
+    load_s = time.perf_counter() - t
+    log(f"[{model_name}] backbone built/loaded in {load_s:.1f} s "
+        f"(d={backbone.hidden_size}, {backbone.model.config.num_hidden_layers} layers, "
+        f"{sum(p.numel() for p in backbone.model.parameters()) / 1e6:.1f}M params, vocabulary "
+        f"{backbone.model.config.vocab_size}, {next(backbone.model.parameters()).dtype} on {backbone.device})")
     examples = generate(cfg.data.synthetic, cfg.seed)
     batch, members = pick_examples(examples, args.batch)
     bank_dir = workdir / f"bank-{model_name}"
     bank_cfg = dataclasses.replace(cfg.bank, dir=str(bank_dir), overwrite=True, verify=False)
+    cache_dtype = resolve_cache_dtype("auto", backbone.device)  # float32 on CPU, float16 on CUDA
     t = time.perf_counter()
-    res = build_bank({"bench": members}, backbone, cfg.chunking, bank_cfg, torch.float32, show_progress=False)
+    res = build_bank({"bench": members}, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)
+    bank_s = time.perf_counter() - t
     log(f"[{model_name}] bank: {res.num_chunks} chunks in {res.num_groups} histories, n_cache={bank_cfg.n_cache}, "
-        f"built in {time.perf_counter() - t:.1f} s")
+        f"cache {str(cache_dtype).removeprefix('torch.')}, built in {bank_s:.1f} s "
+        f"(incl. the encoder's fingerprint, a hash of its weights)")
     bank = Bank.open(bank_dir)
     mem = memory_config(args)
     torch.manual_seed(args.seed)
@@ -189,7 +276,8 @@ def setup(model_name: str, args, workdir: Path):
         f"(min {mem.policy.min_budget}), policy d_b={mem.policy.d_model} ({mem.policy.variant}), "
         f"projector d_p={mem.projector.hidden_size}, LoRA r={mem.lora.r}, max_new_tokens={mem.max_new_tokens}, "
         f"retrieval={mem.retrieval}")
-    return model, batch, res
+    return model, batch, res, {"load_seconds": load_s, "bank_seconds": bank_s,
+                               "bank_cache_dtype": str(cache_dtype).removeprefix("torch.")}
 
 
 # =========================================================================== baseline
@@ -207,7 +295,7 @@ def baseline_trajectory(model: ElasticMem, prompt: list[int], suffix: list[int],
                         temperature: float, full_logits: bool, clock: PhaseClock) -> dict[str, Any]:
     """One trajectory, batch size 1, no padding (the reference code's loop, with our model parts)."""
     dev = model.device
-    t0 = time.perf_counter()
+    t0 = tick(dev)
     # 1. prompt -> control-token logits, sample a, forward a on the KV cache -> h
     H, cache = model._forward_hidden(input_ids=torch.tensor([prompt], device=dev), use_cache=True)
     logits = model._logits(H[:, -1])  # [1, V]
@@ -219,11 +307,11 @@ def baseline_trajectory(model: ElasticMem, prompt: list[int], suffix: list[int],
     h = H_a[:, -1].float()  # [1, d]
     # 2. top-Z for this one query
     rows, scores, mask = model._retrieve(h, [group])
-    t1 = time.perf_counter()
+    t1 = tick(dev)
     # 3. budgets for this one trajectory
     bs = model.policy.sample(h, model._policy_inputs(h, rows), scores.to(dev), mask.to(dev), greedy=greedy)
     budgets = bs.budgets.cpu()
-    t2 = time.perf_counter()
+    t2 = tick(dev)
     # 4-5. project, assemble the single sequence, decode by hand on the KV cache
     soft, counts = model._soft_tokens(rows, budgets)
     x = assemble(model.base.get_input_embeddings(), [Layout(prompt, int(a), soft[0], suffix, [])], model.sep_ids)
@@ -243,7 +331,7 @@ def baseline_trajectory(model: ElasticMem, prompt: list[int], suffix: list[int],
             break
         out = model.base(input_ids=nxt, cache=cache, use_cache=True)
         cache = out.cache
-    t3 = time.perf_counter()
+    t3 = tick(dev)
     clock.add("retrieval", t1 - t0)
     clock.add("policy", t2 - t1)
     clock.add("generation", t3 - t2)
@@ -253,22 +341,24 @@ def baseline_trajectory(model: ElasticMem, prompt: list[int], suffix: list[int],
 
 def run_baseline(model: ElasticMem, batch: Sequence, G: int, temperature: float, full_logits: bool,
                  greedy: bool = False) -> tuple[float, dict[str, float], list[dict[str, Any]]]:
+    dev = model.device
     clock = PhaseClock()
-    t = time.perf_counter()
+    t = tick(dev)
     out = []
     for ex in batch:
-        t0 = time.perf_counter()
+        t0 = tick(dev)
         prompt, suffix = model.encode_texts(ex)
-        clock.add("retrieval", time.perf_counter() - t0)
+        clock.add("retrieval", tick(dev) - t0)
         for _ in range(G):
             out.append(baseline_trajectory(model, prompt, suffix, ex.group, greedy, temperature, full_logits, clock))
-    return time.perf_counter() - t, clock.t, out
+    return tick(dev) - t, clock.t, out
 
 
 def run_batched(model: ElasticMem, batch: Sequence, G: int, temperature: float):
-    t = time.perf_counter()
+    dev = model.device
+    t = tick(dev)
     traj = model.sample(batch, group_size=G, temperature=temperature)
-    return time.perf_counter() - t, dict(traj.timings), traj
+    return tick(dev) - t, dict(traj.timings), traj
 
 
 def floor_inputs(model: ElasticMem, traj):
@@ -281,7 +371,8 @@ def floor_inputs(model: ElasticMem, traj):
         for p in range(start - 1, L):  # the last suffix token, then each fed answer token
             rows.append(i)
             pos.append(p)
-    return batch_in, torch.tensor(rows), torch.tensor(pos)
+    dev = model.device
+    return batch_in, torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)
 
 
 def check_floor(model: ElasticMem, batch: Sequence) -> int:
@@ -300,11 +391,12 @@ def check_floor(model: ElasticMem, batch: Sequence) -> int:
 def run_floor(model: ElasticMem, inputs) -> float:
     batch_in, rows, pos = inputs
     decoder, head = model.base.get_decoder(), model.base.get_output_embeddings()
-    t = time.perf_counter()
+    dev = model.device
+    t = tick(dev)
     h = decoder(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
                 position_ids=batch_in.position_ids, use_cache=False).last_hidden_state
     head(h[rows, pos])
-    return time.perf_counter() - t
+    return tick(dev) - t
 
 
 # =========================================================================== check
@@ -334,16 +426,26 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
     made = setup(model_name, args, workdir)
     if made is None:
         return None
-    model, batch, bank_res = made
+    model, batch, bank_res, build = made
     B, G, temp = args.batch, args.group, args.temperature
     N = B * G
+    dev = model.device
+    dtype = next(model.base.parameters()).dtype
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "top_z larger than a group" is reported below instead
-        n_ok = check_equivalence(model, batch, args.check, args.full_logits)
-        log(f"[{model_name}] check passed: greedy baseline == model.greedy([ex]) on {n_ok} example(s) "
-            f"(control token, rows, budgets, answer tokens)")
-        n_pos = check_floor(model, batch)
-        log(f"[{model_name}] check passed: the compute floor's logits give a greedy rollout's {n_pos} answer tokens")
+        with float32_weights(model.lm):  # see the module docstring: the checks are of positions, not rounding
+            n_ok = check_equivalence(model, batch, args.check, args.full_logits)
+            log(f"[{model_name}] check passed: greedy baseline == model.greedy([ex]) on {n_ok} example(s) "
+                f"(control token, rows, budgets, answer tokens){'' if dtype == torch.float32 else ', in float32'}")
+            n_pos = check_floor(model, batch)
+            log(f"[{model_name}] check passed: the compute floor's logits give a greedy rollout's {n_pos} answer "
+                f"tokens{'' if dtype == torch.float32 else ', in float32'}")
+        assert next(model.base.parameters()).dtype == dtype
+        gpu_resident_mb = None
+        if dev.type == "cuda":  # from here on: the rollouts' peak on top of what is resident
+            sync(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            gpu_resident_mb = torch.cuda.memory_allocated(dev) / 2**20
         torch.manual_seed(args.seed)
         t_w1, _, traj = run_batched(model, batch, G, temp)
         t_w2, _, _ = run_baseline(model, batch, G, temp, args.full_logits)
@@ -390,8 +492,16 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
     bat, base = summary(rb), summary(rl)
     floor = med([x["floor"] for x in rb])
     d = model.cfg
+    shape = model.base.config
     return {
         "model": model_name,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": {"hidden_size": shape.hidden_size, "num_layers": shape.num_hidden_layers,
+                  "num_heads": shape.num_attention_heads, "num_kv_heads": shape.num_key_value_heads,
+                  "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size,
+                  "params_m": sum(p.numel() for n, p in model.base.named_parameters() if "lora_" not in n) / 1e6},
+        **build,
         "B": B, "G": G, "trajectories": N, "repeats": repeats,
         "settings": {"top_z": d.top_z, "max_budget": d.policy.max_budget, "policy_d_model": d.policy.d_model,
                      "projector_d": d.projector.hidden_size, "lora_r": d.lora.r,
@@ -408,6 +518,8 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
                   "logit_positions": med([x["logit_positions"] for x in rb])},
         "floor_ratio": bat["seconds"] / floor,
         "peak_rss_mb": _peak_rss_mb(),
+        "peak_gpu_mb": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
+        "gpu_resident_mb": gpu_resident_mb,
     }
 
 
@@ -422,41 +534,48 @@ def print_table(results: list[dict[str, Any]], goal: float) -> None:
     if not results:
         log("no results")
         return
+    w = max(8, *(len(r["model"]) for r in results))
+    width = 110 + w
     log("")
-    log("=" * 118)
-    hdr = (f"{'model':<8} {'BxG':>5} {'path':<9} {'s/rollout':>10} {'traj/s':>8} "
+    log("=" * width)
+    hdr = (f"{'model':<{w}} {'BxG':>5} {'path':<9} {'s/rollout':>10} {'traj/s':>8} "
            f"{'retrieval s':>12} {'policy s':>9} {'generation s':>13} {'soft tok/traj':>14} {'ans tok/traj':>13}"
            f" {'ratio':>7}")
     log(hdr)
-    log("-" * 118)
+    log("-" * width)
     for r in results:
         for path in ("batched", "baseline"):
             x = r[path]
             ph = x["phases"]
             ratio = f"{r['ratio']:.2f}x" if path == "batched" else ""
-            log(f"{r['model']:<8} {r['B']}x{r['G']:<3} {path:<9} {x['seconds']:>10.3f} {x['traj_per_s']:>8.2f} "
+            log(f"{r['model']:<{w}} {r['B']}x{r['G']:<3} {path:<9} {x['seconds']:>10.3f} {x['traj_per_s']:>8.2f} "
                 f"{ph['retrieval']:>12.3f} {ph['policy']:>9.3f} {ph['generation']:>13.3f} "
                 f"{x['memory_tokens_per_traj']:>14.1f} {x['answer_tokens_per_traj']:>13.2f} {ratio:>7}")
-    log("-" * 118)
+    log("-" * width)
     for r in results:
         ok = "meets" if r["ratio"] >= goal else "below"
         log(f"{r['model']}: batched/baseline = {r['ratio']:.2f}x at B*G={r['trajectories']} ({ok} the {goal:g}x goal); "
-            f"medians of {r['repeats']} rounds")
+            f"medians of {r['repeats']} rounds on {r['device']} ({r['dtype']})")
         fl = r["floor"]
         ok = "meets" if r["floor_ratio"] <= 1.2 else "above"
         log(f"{r['model']}: batched rollout / compute floor = {r['floor_ratio']:.2f}x ({ok} the 1.2x goal; floor "
             f"{fl['seconds']:.3f} s for {fl['positions']:.0f} positions, LM head on {fl['logit_positions']:.0f}); "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB")
+            f"peak RSS {r['peak_rss_mb']:.0f} MB"
+            + ("" if r["peak_gpu_mb"] is None else
+               f", peak GPU {r['peak_gpu_mb']:.0f} MB ({r['gpu_resident_mb']:.0f} MB resident before the rollouts)"))
     log("phases: retrieval = text encoding + prompt/control forwards + top-Z; policy = budget policy; "
         "generation = soft tokens + assembly + answer decoding (batched: Trajectories.timings)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2", *RANDOM_MODELS])
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:1, ... or auto (CUDA if available); dtype: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batch", type=int, default=4, help="B: queries per rollout batch")
     p.add_argument("--group", type=int, default=4, help="G: trajectories per query")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per model (SmolLM2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per model (all but tiny)")
     p.add_argument("--tiny-repeats", type=int, default=10, help="timed rounds for the tiny model (fast)")
     p.add_argument("--check", type=int, default=2, help="examples in the greedy equivalence check")
     p.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"),
@@ -475,18 +594,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads; 0 = torch's choice (see the module docstring)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--goal", type=float, default=3.0)
+    p.add_argument("--goal", type=float, default=3.0, help="batched/baseline goal (3 on CPU; the GPU check passes 10)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
+    device = resolve_device(args.device)  # raises if CUDA is asked for and not there
+    args.device = str(device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    gpu = f", {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})" if device.type == "cuda" else ""
     log(f"rollout benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; B={args.batch}, G={args.group}")
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}{gpu}; device {device}; "
+        f"B={args.batch}, G={args.group}")
     workdir = Path(tempfile.mkdtemp(prefix="elasticmem-rollout-bench-"))
     results = []
     try:
         for name in args.models:
             r = bench_model(name, args, workdir)
+            gc.collect()  # the model of this round, before the next is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             if r is not None:
                 results.append(r)
                 log(f"[{name}] ratio {r['ratio']:.2f}x")
@@ -495,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args.goal)
     if args.out:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                "device": str(device), "cuda": torch.version.cuda if device.type == "cuda" else None,
                 "argv": sys.argv[1:], "load_avg": os.getloadavg()}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         log(f"wrote {args.out}")

@@ -148,6 +148,22 @@ def build_tiny_tokenizer(char_fallback: bool = True, vocabulary: str = "syntheti
     return tok
 
 
+# Decoder shapes of released models, for random stand-ins (``random_shape``): benchmarks and GPU
+# memory sizing at a real model's scale with no download. Only the vocabulary (and with it the
+# embedding and the LM head) is the tiny tokenizer's, a few hundred rows instead of ~150k.
+RANDOM_SHAPES: dict[str, dict[str, int]] = {
+    "qwen2.5-3b": dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2, intermediate_size=11008),
+    "qwen2.5-7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944),
+}
+
+
+def random_shape(name: str, seed: int = 0) -> TinyModelConfig:
+    """``model.tiny`` shaped like the released model ``name`` (a key of ``RANDOM_SHAPES``)."""
+    if name not in RANDOM_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
+    return TinyModelConfig(**RANDOM_SHAPES[name], max_position_embeddings=32768, seed=seed)
+
+
 def build_tiny_model(cfg: TinyModelConfig, tokenizer) -> torch.nn.Module:
     """A random Qwen2ForCausalLM; the same ``cfg.seed`` gives the same weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# Two CPU processes under accelerate (DDP over gloo; with ACCELERATE_USE_CPU=1, DESIGN.md section 4)
+LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -3,7 +3,8 @@
 Keys are L2-normalised, so cosine is the inner product; queries are
 normalised here. Exact search: ``torch`` (matmul + topk) or FAISS ``flat``.
 Approximate search for large shared banks: FAISS ``ivf`` (IVFFlat, inner
-product) or ``hnsw`` (HNSWFlat, inner product). Groups occupy contiguous row
+product) or ``hnsw`` (HNSWFlat, inner product). ``flat`` and ``ivf`` can search on
+a GPU (``index.gpu``, faiss-gpu). Groups occupy contiguous row
 ranges, so exact restricted search is a slice and approximate restricted
 search is an ``IDSelectorRange`` filter.
 
@@ -86,11 +87,26 @@ class TorchIndex:
 class FaissIndex:
     """FAISS flat (exact), IVF or HNSW over all keys; groups via an ID-range selector."""
 
-    def __init__(self, bank: Bank, cfg: IndexConfig, seed: int = 0):
+    def __init__(self, bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0):
         import faiss
 
         self.faiss, self.bank, self.cfg = faiss, bank, cfg
+        if cfg.gpu:  # refused before any build
+            if cfg.type == "hnsw":
+                raise ValueError("bank.index.gpu: faiss-gpu has no HNSW index; use type 'flat' or 'ivf'")
+            if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+                raise ValueError("bank.index.gpu needs faiss-gpu and a CUDA GPU (pip uninstall -y faiss-cpu && "
+                                 "pip install 'elasticmem[gpu]'); this faiss sees no GPU")
         self.index = self._load_or_build(seed)
+        self.gpu_index = self._to_gpu(gpu_device) if cfg.gpu else None
+
+    def _to_gpu(self, device: int):
+        faiss = self.faiss
+        self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
+        index = faiss.index_cpu_to_gpu(self._gpu_resources, device, self.index)
+        if self.cfg.type == "ivf":
+            faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", self.cfg.nprobe)
+        return index
 
     def _describe(self) -> dict:
         c = self.cfg
@@ -147,7 +163,10 @@ class FaissIndex:
                 start, end = self.bank.group_rows(g)
                 if (start, end) != (0, self.bank.num_chunks):
                     sel = self.faiss.IDSelectorRange(start, end)
-            D, I = self.index.search(q[idx], k, params=self._params(sel))
+            if sel is None and self.gpu_index is not None:
+                D, I = self.gpu_index.search(q[idx], k)
+            else:
+                D, I = self.index.search(q[idx], k, params=self._params(sel))
             t = torch.as_tensor(idx)
             rows = torch.from_numpy(I).long()
             scores = torch.from_numpy(D).float()
@@ -156,8 +175,10 @@ class FaissIndex:
         return res
 
 
-def build_index(bank: Bank, cfg: IndexConfig, seed: int = 0) -> KeyIndex:
-    """The index named by ``cfg.type`` over ``bank``."""
+def build_index(bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0) -> KeyIndex:
+    """The index named by ``cfg.type`` over ``bank`` (``gpu_device``: the GPU of ``cfg.gpu``)."""
     if cfg.type == "torch":
+        if cfg.gpu:
+            raise ValueError("bank.index.gpu applies to FAISS indexes ('flat', 'ivf'), not 'torch'")
         return TorchIndex(bank)
-    return FaissIndex(bank, cfg, seed)
+    return FaissIndex(bank, cfg, seed, gpu_device)

@@ -152,7 +152,7 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> Mem
 
     backbone = load_backbone(cfg.model, device=device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-    model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed))
+    model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
     checkpoint = None
     if cfg.eval.checkpoint:
         checkpoint = checkpoint_fingerprint(cfg.eval.checkpoint)

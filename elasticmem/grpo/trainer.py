@@ -328,7 +328,7 @@ def train(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model, device=acc.device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
+    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
     examples = load_split(cfg.data.dir, t.split)
     # everything that would otherwise fail at some batch hours in (the evaluation split too)
     for split, exs in [(t.split, examples)] + ([(t.eval_split, _eval_examples(cfg))] if t.eval_split else []):

@@ -468,6 +468,13 @@ class ElasticMem(nn.Module):
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
+    @torch.no_grad()
+    def query_states(self, batch: Sequence[Example], greedy: bool = True) -> torch.Tensor:
+        """Step 1 only: each example's query state h [B, d_h] (the retrieval mode's; ``greedy``: from
+        the argmax control token), as the rollout searches the bank with it."""
+        texts = [self.encode_texts(ex) for ex in batch]
+        return self._query_states([t[0] for t in texts], [ex.question for ex in batch], 1, greedy)[2]
+
     def retrieve(self, batch: Sequence[Example], greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-2 only (query state and top-Z search; no budgets, no generation), as in a rollout.
 

@@ -71,7 +71,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; allow int -> float only."""
     origin = get_origin(tp)
     if origin is Literal:
-        if value not in get_args(tp):
+        choices = get_args(tp)
+        if isinstance(value, bool) and all(isinstance(c, str) for c in choices):
+            # YAML 1.1 reads no/off/false as False (yes/on/true as True): among string choices
+            # the word itself was meant (train.mixed_precision=no)
+            words = [w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices]
+            value = words[0] if len(words) == 1 else value
+        if value not in choices:
             raise ConfigError(f"config key '{key}' must be one of {list(get_args(tp))}, got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):

@@ -140,7 +140,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if cfg.train.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed))
+    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
     if w.init_from:
         from elasticmem.grpo.trainer import check_init
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SHARED_DATA
+from conftest import LAUNCH_2, ROOT, SHARED_DATA
 from test_evaluate import _records
 from test_train import _env
 
@@ -33,8 +33,6 @@ from elasticmem.agent.alfworld_env import AlfworldEnv, build_game_file, find_gam
 from elasticmem.config import load_config  # noqa: E402
 
 MAX_STEPS = 4
-LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 VARIANTS = "{elasticmem: [], no_memory: [eval.system=no_memory, eval.checkpoint=null], text_rag: [eval.system=text_rag]}"
 
 

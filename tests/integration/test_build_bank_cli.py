@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, make_examples, requires_smollm2
+from conftest import LAUNCH_2, ROOT, make_examples, requires_smollm2
 from elasticmem.bank import Bank
 
 
@@ -79,9 +79,7 @@ def test_two_process_build_equals_one_process(tmp_path, tiny_data):
     _run([sys.executable, *common, f"bank.dir={tmp_path}/one"])
     # Real DDP over gloo on CPU needs ACCELERATE_USE_CPU with --multi_gpu (see DESIGN.md section 4).
     env = dict(_env(), ACCELERATE_USE_CPU="1")
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-          *common, f"bank.dir={tmp_path}/two"], env=env)
+    _run([*LAUNCH_2, *common, f"bank.dir={tmp_path}/two"], env=env)
     one, two = Bank.open(tmp_path / "one", verify=True), Bank.open(tmp_path / "two", verify=True)
     build = two.manifest["build"]
     assert build["num_processes"] == 2

@@ -14,17 +14,14 @@ untouched.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import LAUNCH_2, ROOT
 from safetensors.torch import load_file
 from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
 
-LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 # Every kind of unit: a sampled control token, two memories (budget actions), two answer tokens.
 MECHANISM = ("memory.retrieval=control", "memory.top_z=2", "memory.max_new_tokens=2", "train.eval_split=",
              "train.group_size=4", "train.warmup_steps=0", "train.save_every=1", "train.max_steps=2")

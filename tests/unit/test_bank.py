@@ -311,3 +311,19 @@ def test_open_is_memory_mapped(tmp_path):
     cache, _ = bank.gather([5, 3999])
     assert cache.shape == (2, n_cache, d) and (cache == 1).all()
     assert rss_mb() - before < 40
+
+
+def test_gpu_search_is_refused_where_it_cannot_run(tmp_path, tiny_backbone):
+    """``index.gpu``: clear errors for the torch index, for HNSW and for a faiss without GPUs
+    (tests/gpu/test_gpu.py checks GPU search itself on a CUDA machine)."""
+    import faiss
+
+    _, bank = _build(tmp_path, tiny_backbone)
+    with pytest.raises(ValueError, match="FAISS indexes"):
+        build_index(bank, IndexConfig(type="torch", gpu=True))
+    with pytest.raises(ValueError, match="no HNSW"):
+        build_index(bank, IndexConfig(type="hnsw", gpu=True, save=False))
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        pytest.skip("this faiss sees a GPU")
+    with pytest.raises(ValueError, match="needs faiss-gpu"):
+        build_index(bank, IndexConfig(type="flat", gpu=True))

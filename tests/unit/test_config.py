@@ -49,6 +49,16 @@ def test_override_types_and_nesting():
     assert cfg.model.name_or_path == "tiny" and cfg.chunking.max_tokens == 64
 
 
+def test_yaml_words_read_as_booleans_are_kept_as_string_choices(tmp_path):
+    """YAML 1.1 reads ``no`` as False; a key whose choices are strings gets the word back."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["train.mixed_precision=no"])
+    assert cfg.train.mixed_precision == "no"
+    (tmp_path / "p.yaml").write_text("train:\n  mixed_precision: no\n")
+    assert load_config(tmp_path / "p.yaml").train.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="mixed_precision"):  # True has no word among the choices
+        load_config(ROOT / "configs/tiny.yaml", ["train.mixed_precision=yes"])
+
+
 def test_unknown_key_names_closest():
     with pytest.raises(ConfigError, match=r"unknown config key 'bank\.n_cahce'.*did you mean 'bank\.n_cache'"):
         load_config(None, ["bank.n_cahce=3"])

@@ -163,6 +163,8 @@ def test_query_state_matches_plain_transformers(bank_dir, one_thread, mode, gree
         ids = prompt + [a] if mode == "control" else prompt
         H_other, _ = plain_forward(model, ids, adapter=mode == "frozen")
         assert (H_other[-1] - h_ref).abs().max() > 1e-3, "adapter on and off give the same state"
+    if greedy:  # the public step-1 call gives the rollout's states
+        torch.testing.assert_close(model.query_states(examples), traj.query_state, atol=ATOL, rtol=0)
     if mode == "control" and not greedy:
         assert len(controls) > 1, "sampling should give different control tokens (different states)"
 

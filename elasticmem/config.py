@@ -110,20 +110,20 @@ class IndexConfig:
     """'torch' and 'flat' (FAISS IndexFlatIP) are exact; 'ivf' and 'hnsw' are approximate FAISS
     indexes for large shared banks. Search restricted to a group is exact for exact types and
     uses an ID-range filter for approximate ones. Above ~100k chunks use 'hnsw' (at 1M keys, 2
-    CPU cores: recall@20 0.968 in 0.10x the exact search's time; built in ~6 min) or 'ivf'
-    (0.969 in 0.14x; built in ~2 min); below, exact search is fast enough."""
+    CPU cores, default settings: recall@20 0.956 in 0.07x the exact search's time; built in
+    ~6 min) or 'ivf' (0.960 in 0.11x; built in ~2 min); below, exact search is fast enough."""
     nlist: int = 0
     """IVF cells; 0 = 4*sqrt(rows), at least 1."""
-    nprobe: int = 96
-    """IVF cells visited per query (recall/speed trade-off). 96: recall@20 0.969 at 1M keys and
-    0.986 at 100k with real-structured keys and queries (16 gave 0.82); benchmarks/README.md."""
+    nprobe: int = 80
+    """IVF cells visited per query (recall/speed trade-off). 80: recall@20 0.960 at 1M keys with
+    real-structured keys and queries (16 gave 0.82, 96 gives 0.969); benchmarks/README.md."""
     hnsw_m: int = 32
     """HNSW graph degree."""
     ef_construction: int = 80
     """HNSW build-time beam width."""
-    ef_search: int = 512
-    """HNSW query-time beam width. 512: recall@20 0.968 at 1M keys with real-structured keys and
-    queries (128 gave 0.85; at 100k 128 gives 0.969); benchmarks/README.md."""
+    ef_search: int = 384
+    """HNSW query-time beam width. 384: recall@20 0.956 at 1M keys with real-structured keys and
+    queries (128 gave 0.85, 512 gives 0.968; at 100k 128 gives 0.969); benchmarks/README.md."""
     train_size: int = 262144
     """At most this many keys (sampled with the config seed) train the IVF quantizer."""
     save: bool = True

@@ -4,8 +4,9 @@
     bash scripts/gpu_check.sh --dry-run                 # anywhere: the same stages on the CPU at tiny sizes
     python benchmarks/gpu_check.py --out runs/gpu_check/gpu_check.json [--dry-run] [--device cuda:1]
 
-Stages, each in its own process with a time limit (a stage that fails or runs out of time is
-recorded as such and the next one runs; the exit status is 1 when any stage failed):
+Stages, each in its own process with a time limit (``LIMITS``: 10 minutes in all on a GPU; a
+stage that fails or runs out of time is recorded as such and the next one runs; the exit status
+is 1 when any stage failed):
 
 0. **preflight**: CUDA visible, and the packages the stages need importable: bitsandbytes (4-bit),
    trl (the GRPO comparison), faiss with GPU support (faiss-gpu), pytest. On a GPU run a missing
@@ -45,6 +46,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 ROLLOUT_GOAL = 10.0
+# Seconds per stage. On a GPU they sum to 10 minutes, the check's budget (a stage that needs more
+# is recorded as timed out, and --limit-scale gives a slow machine more); the dry run on 2 CPU
+# cores takes 10-45 s per stage.
+LIMITS = {"tests": 180, "rollout": 120, "grpo_step": 180, "bank_build": 120}
 
 INSTALL = {
     "bitsandbytes": "pip install 'elasticmem[gpu]'",
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "runs" / "gpu_check" / "gpu_check.json"), help="the JSON of figures")
     p.add_argument("--dry-run", action="store_true", help="on the CPU, tiny model, fewest repeats")
     p.add_argument("--device", default="cuda", help="the GPU to check (cuda, cuda:1, ...)")
+    p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every stage's time limit")
     p.add_argument("--shape", default="qwen2.5-3b", help="RANDOM_SHAPES key of the benchmark model")
     p.add_argument("--stages", nargs="+", default=["tests", "rollout", "grpo_step", "bank_build"],
                    choices=["tests", "rollout", "grpo_step", "bank_build"])
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     py = sys.executable
+
+    def limit(stage: str) -> float:
+        return LIMITS[stage] * args.limit_scale * (2 if args.dry_run else 1)  # 2 CPU cores may be shared
     model = "tiny" if args.dry_run else f"{args.shape}-random"
     t_start = time.perf_counter()
     failed = False
@@ -215,21 +224,21 @@ def main(argv: list[str] | None = None) -> int:
             junit = work / "tests.xml"
             tenv = {**env, "ELASTICMEM_GPU_TEST_DEVICE": device}
             res = run_stage(stage, [py, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
-                                    f"--junitxml={junit}", "-ra"], 300 if args.dry_run else 240, tenv, work)
+                                    f"--junitxml={junit}", "-ra"], limit(stage), tenv, work)
             res["outcomes"] = junit_outcomes(junit)
         elif stage == "rollout":
             js = work / "rollout.json"
             cmd = [py, "benchmarks/rollout.py", "--models", model, "--device", device, "--out", str(js),
                    "--goal", str(ROLLOUT_GOAL)]
             cmd += ["--tiny-repeats", "1", "--check", "1"] if args.dry_run else ["--repeats", "3", "--threads", "0"]
-            res = run_stage(stage, cmd, 180, env, work)
+            res = run_stage(stage, cmd, limit(stage), env, work)
             res["figures"] = rollout_figures(_load(js), ROLLOUT_GOAL)
             res["json"] = str(js)
         elif stage == "grpo_step":
             js = work / "grpo_step.json"
             cmd = [py, "benchmarks/grpo_step.py", "--models", model, "--device", device, "--out", str(js)]
             cmd += ["--tiny-steps", "2"] if args.dry_run else ["--steps", "3"]
-            res = run_stage(stage, cmd, 180 if args.dry_run else 300, env, work)
+            res = run_stage(stage, cmd, limit(stage), env, work)
             res["figures"] = grpo_figures(_load(js))
             res["json"] = str(js)
         else:
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--out", str(js), "--quiet-wait", "0"]
             cmd += ["--max-chunks", "40", "--repeats", "1", "--min-cpu-share", "0"] if args.dry_run else \
                    ["--max-chunks", "400", "--repeats", "2"]
-            res = run_stage(stage, cmd, 180, env, work)
+            res = run_stage(stage, cmd, limit(stage), env, work)
             res["figures"] = bank_figures(_load(js))
             res["json"] = str(js)
         if res["status"] == "ok" and stage != "tests" and res["figures"] is None:

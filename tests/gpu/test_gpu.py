@@ -7,7 +7,8 @@ Without CUDA these tests skip, unless ``ELASTICMEM_GPU_TEST_DEVICE`` names the d
 on: the dry run runs them on the CPU (bf16 and the bank build compare the CPU with itself there;
 4-bit and faiss-gpu need CUDA and skip), so that the code a GPU machine runs cannot rot.
 
-Tolerances (the tiny random model, whose logits are small, so these are loose for it):
+Tolerances (bf16 on the CPU, in the dry run, stays far inside them: log-prob error 0.007, loss
+1e-8, gradient norm 0.06 %; a GPU's bf16 kernels accumulate differently, hence the room):
 
 * bf16 (weights in bfloat16 and bf16 autocast, the CUDA default) against fp32 on the same
   trajectories: answer, budget and control log-probs within ``LOGP_ATOL`` (max over tokens),

@@ -388,20 +388,10 @@ def run_builder(examples, backbone, cfg, cache_dtype, workdir: Path, keep: bool 
     return wall, res, tmp
 
 
-def model_config(name: str, device: str) -> ModelConfig:
-    """``name``: a model for ``model.name_or_path``, or ``SHAPE-random`` (a key of
-    ``elasticmem.backbone.RANDOM_SHAPES``): random weights in that model's decoder shape."""
-    from elasticmem.backbone import random_shape
-
-    if name.endswith("-random"):
-        return ModelConfig(name_or_path="tiny", tiny=random_shape(name.removesuffix("-random")), device=device)
-    return ModelConfig(name_or_path=name, device=device)
-
-
 def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: Path) -> dict[str, Any] | None:
-    from elasticmem.backbone import load_backbone, resolve_model_path
+    from elasticmem.backbone import load_backbone, named_model_config, resolve_model_path
 
-    mcfg = model_config(model_name, args.device)
+    mcfg = named_model_config(model_name, args.device)
     if mcfg.name_or_path != "tiny":
         try:
             resolve_model_path(mcfg)

@@ -158,7 +158,7 @@ if str(REPO) not in sys.path:
 import torch
 
 import elasticmem.backbone as backbone_mod
-from elasticmem.backbone import load_backbone, random_shape
+from elasticmem.backbone import RANDOM_MODELS, load_backbone, random_shape
 from elasticmem.bank import Bank, build_bank
 from elasticmem.bank.index import TorchIndex
 from elasticmem.config import Config, TinyModelConfig, load_config
@@ -169,9 +169,9 @@ from elasticmem.grpo.trainer import QuerySampler
 from elasticmem.model.elasticmem import format_options
 
 TINY_PRESET = REPO / "configs" / "tiny.yaml"
-PRESETS = {"tiny": TINY_PRESET, "smollm2": REPO / "configs" / "quickstart.yaml", "qwen2.5-3b-random": TINY_PRESET}
-# models that are the preset's tiny model with another shape (elasticmem.backbone.RANDOM_SHAPES)
-RANDOM_SHAPED = {"qwen2.5-3b-random": "qwen2.5-3b"}
+# RANDOM_MODELS: the tiny preset's model with another shape (elasticmem.backbone.RANDOM_SHAPES)
+PRESETS = {"tiny": TINY_PRESET, "smollm2": REPO / "configs" / "quickstart.yaml",
+           **dict.fromkeys(RANDOM_MODELS, TINY_PRESET)}
 PARTS = ("rollout", "score", "backward", "other")
 
 
@@ -587,9 +587,9 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
     preset = PRESETS[name]
     cfg = load_config(str(preset))
     shape_overrides: list[str] = []
-    if name in RANDOM_SHAPED:
+    if name in RANDOM_MODELS:
         # the preset's tiny model (tokenizer settings, seed) with a released model's decoder shape
-        tiny = dataclasses.replace(random_shape(RANDOM_SHAPED[name], seed=cfg.model.tiny.seed),
+        tiny = dataclasses.replace(random_shape(name.removesuffix("-random"), seed=cfg.model.tiny.seed),
                                    char_fallback=cfg.model.tiny.char_fallback, vocabulary=cfg.model.tiny.vocabulary)
         shape_overrides = tiny_overrides(cfg.model.tiny, tiny)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tiny=tiny))

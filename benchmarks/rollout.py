@@ -139,9 +139,9 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from elasticmem.backbone import load_backbone, random_shape, resolve_device  # noqa: E402
+from elasticmem.backbone import RANDOM_MODELS, load_backbone, named_model_config, resolve_device  # noqa: E402
 from elasticmem.bank import Bank, build_bank, resolve_cache_dtype  # noqa: E402
-from elasticmem.config import LoraConfig, MemoryConfig, ModelConfig, load_config  # noqa: E402
+from elasticmem.config import LoraConfig, MemoryConfig, load_config  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402
 from elasticmem.model.budget_policy import BudgetPolicyConfig  # noqa: E402
 from elasticmem.model.elasticmem import ElasticMem  # noqa: E402
@@ -149,8 +149,6 @@ from elasticmem.model.injection import Layout, assemble  # noqa: E402
 from elasticmem.model.projector import ProjectorConfig  # noqa: E402
 
 PHASES = ("retrieval", "policy", "generation")
-RANDOM_MODELS = {"qwen2.5-3b-random": "qwen2.5-3b"}
-"""``--models`` choice -> ``elasticmem.backbone.random_shape`` name: a random model at a released model's shape."""
 
 
 def log(msg: str) -> None:
@@ -225,20 +223,13 @@ def memory_config(args) -> MemoryConfig:
                                projector=projector, lora=lora)
 
 
-def model_config(model_name: str, device: str) -> ModelConfig:
-    """``tiny``/``smollm2`` by name; a ``RANDOM_MODELS`` choice as the tiny model at that shape."""
-    if model_name in RANDOM_MODELS:
-        return ModelConfig(name_or_path="tiny", tiny=random_shape(RANDOM_MODELS[model_name]), device=device)
-    return ModelConfig(name_or_path=model_name, device=device)
-
-
 def setup(model_name: str, args, workdir: Path):
     """Backbone -> bank (built before peft wraps the backbone) -> ElasticMem in eval mode.
 
     Returns the model, the B examples, the bank's BuildResult and the build times, or None
     when the model is not available offline."""
     cfg = load_config(args.config)
-    mcfg = model_config(model_name, args.device)
+    mcfg = named_model_config(model_name, args.device)
     t = time.perf_counter()
     try:
         backbone = load_backbone(mcfg)

@@ -164,6 +164,18 @@ def random_shape(name: str, seed: int = 0) -> TinyModelConfig:
     return TinyModelConfig(**RANDOM_SHAPES[name], max_position_embeddings=32768, seed=seed)
 
 
+RANDOM_MODELS = tuple(f"{shape}-random" for shape in RANDOM_SHAPES)
+"""Model names for random stand-ins (benchmarks, the GPU check): ``SHAPE-random``."""
+
+
+def named_model_config(name: str, device: str = "auto") -> ModelConfig:
+    """``name`` as ``model.name_or_path``, or a ``RANDOM_MODELS`` name: the tiny model built in
+    that released model's decoder shape (random weights, no download)."""
+    if name in RANDOM_MODELS:
+        return ModelConfig(name_or_path="tiny", tiny=random_shape(name.removesuffix("-random")), device=device)
+    return ModelConfig(name_or_path=name, device=device)
+
+
 def build_tiny_model(cfg: TinyModelConfig, tokenizer) -> torch.nn.Module:
     """A random Qwen2ForCausalLM; the same ``cfg.seed`` gives the same weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -5,9 +5,16 @@
     accelerate launch --num_processes 2 build_bank.py --config ...   # shards split across processes
     python build_bank.py --config ... bank.part=K/N   # part K of N (a job-array task), then once
     python build_bank.py --config ...                  # without bank.part: the merge (the manifest)
+    python build_bank.py --config ... data.dir=NEW --append   # add new groups / sessions to a built bank
 
 An interrupted build resumes where it stopped when run again with the same
 settings. The bank folder layout is documented in DESIGN.md section 3.1.
+
+``--append`` adds the histories of bank.splits in data.dir to the bank at bank.dir (created
+empty when missing) through the live append path (``elasticmem.bank.append``): chunks a group
+already holds (same text) are skipped, so new sessions of known conversations and new
+conversations are added and the rest is left as it is; readers of the bank keep working, and a
+crash leaves the bank as it was. The bank's own tokenization, keys and cache settings are used.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ from elasticmem.utils.configuration import ConfigError, parse_cli, print_config,
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.config import Config
 
-    cfg, _ = parse_cli(Config, argv, prog="build_bank.py", description=__doc__)
+    def extra(p):
+        p.add_argument("--append", action="store_true",
+                       help="add the data's new chunks to the bank at bank.dir instead of building it")
+
+    cfg, args = parse_cli(Config, argv, prog="build_bank.py", description=__doc__, extra=extra)
+    if args.append:
+        return _append(cfg)
 
     import torch
 
@@ -66,6 +79,57 @@ def main(argv: list[str] | None = None) -> int:
         f"  {result.shards_encoded} shard(s) encoded in {result.seconds:.1f} s"
         + (f" ({result.num_chunks / result.seconds:.1f} chunks/s)" if result.status == "built" else "")
     )
+    return 0
+
+
+def _append(cfg) -> int:
+    """``--append``: one append of every session of every group of bank.splits (known chunks skipped)."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import BankError, build_index, resolve_cache_dtype
+    from elasticmem.bank.append import SessionAdd, append_sessions, create_bank
+    from elasticmem.bank.builder import collect_groups, key_spec
+    from elasticmem.bank.store import MANIFEST, Bank
+    from elasticmem.data.schema import SchemaError, load_split
+
+    print_config(cfg, file=sys.stderr)
+    try:
+        t0 = time.perf_counter()
+        groups = collect_groups({split: load_split(cfg.data.dir, split) for split in cfg.bank.splits})
+        device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if cfg.model.device == "auto" else cfg.model.device))
+        backbone = load_backbone(cfg.model, device=device)
+        root = Path(cfg.bank.dir)
+        if not (root / MANIFEST).is_file():
+            create_bank(root, backbone, cfg.chunking, cfg.bank, resolve_cache_dtype(cfg.bank.cache_dtype, device))
+        bank = Bank.open(root, expect_fingerprint=backbone.fingerprint)
+        ch = cfg.chunking
+        mine = {"n_cache": cfg.bank.n_cache, "key": key_spec(cfg.bank),
+                "tokenization": {"add_special_tokens": ch.add_special_tokens, "max_tokens": ch.max_tokens,
+                                 "truncation_side": ch.truncation_side}}
+        differ = [k for k, v in mine.items() if bank.manifest.get(k) != v]
+        if differ:
+            print(f"build_bank.py: note: the config's {', '.join(differ)} differ from the bank's; appending with "
+                  f"the bank's own settings", file=sys.stderr)
+        items = [SessionAdd(g, turns, s) for g, ex in groups.items() for s, turns in enumerate(ex.history) if turns]
+        with torch.inference_mode():
+            res = append_sessions(root, items, backbone.model.get_decoder(), backbone.tokenizer, backbone.fingerprint,
+                                  batch_size=cfg.bank.batch_size, show_progress=True)
+        if cfg.bank.index.type in ("ivf", "hnsw"):  # extend (or rebuild) the saved index now
+            build_index(res.bank, dataclasses.replace(cfg.bank.index, gpu=False), cfg.seed)
+    except (ConfigError, SchemaError, BankError, FileNotFoundError, ImportError, OSError, ValueError) as e:
+        print(f"build_bank.py: error: {e}", file=sys.stderr)
+        return 2
+    touched = sum(1 for rows in res.rows.values() if rows)
+    new_groups = sum(1 for g, rows in res.rows.items() if rows and g not in bank.groups)
+    print(f"bank {root} (appended)\n"
+          f"  {res.added} chunk(s) added to {touched} group(s) ({new_groups} new), {sum(res.skipped.values())} "
+          f"already held, in {time.perf_counter() - t0:.1f} s\n"
+          f"  now {res.bank.num_chunks} chunks in {len(res.bank.groups)} groups, {len(res.bank.shards)} shard(s)")
     return 0
 
 

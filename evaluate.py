@@ -5,6 +5,7 @@
     python evaluate.py --config configs/quickstart.yaml 'eval.variants={elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag]}'
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 evaluate.py --config ...   # 2 processes
     python evaluate.py --config configs/alfworld_cpu.yaml     # ALFWorld episodes (eval.task=alfworld)
+    python evaluate.py --config configs/locomo_qa.yaml eval.stream=session   # memory grows session by session
     python evaluate.py --help                                  # every config key, documented
 
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.data.schema import SchemaError, load_split
     from elasticmem.data.validate import validate_examples
     from elasticmem.eval.runner import OutputDirError, evaluate
+    from elasticmem.eval.streaming import stream_bank_dir, stream_order
     from elasticmem.eval.systems import build_system
     from elasticmem.utils.configuration import load
     from elasticmem.utils.distributed import process_state
@@ -82,9 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             vcfg = load(Config, args.config, vo) if extra_overrides else cfg
             out = out_root / name if cfg.eval.variants else out_root
             set_seed(vcfg.seed)  # untrained parts (policy, projector) start the same on every process and run
-            system = build_system(vcfg, vo, device=state.device)
+            stream = vcfg.eval.stream != "off"
+            if stream and (vcfg.eval.system == "amem" or games is not None):
+                raise ConfigError("eval.stream builds the bank of an ElasticMem-path system (elasticmem, text_rag, "
+                                  "no_memory, full_context) from the questions' histories; not for "
+                                  f"{'ALFWorld games' if games is not None else 'A-Mem'}: set eval.stream=off")
+            system = build_system(vcfg, vo, device=state.device,
+                                  stream_dir=stream_bank_dir(out, state.process_index) if stream else None)
             model = getattr(system, "model", None)  # A-Mem keeps its own memory: no bank to check
-            validate_examples(examples, getattr(model, "bank", None), chunking=vcfg.chunking,
+            # a streamed bank is filled from the examples' own histories: nothing to check it against
+            validate_examples(examples, None if stream else getattr(model, "bank", None), chunking=vcfg.chunking,
                               # games carry no history: the skill bank is checked by EpisodePlayer
                               top_z=model.cfg.top_z if model is not None and games is None else 0,
                               split_name=(f"{cfg.agent.games_dir or '$ALFWORLD_DATA'} games of {cfg.eval.split}"
@@ -99,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 # one game per "batch": each episode is written as soon as it ends
                 kw = dict(batch_size=1, scorer=episode_outcome,
                           results_options={"primary": "success_rate", "free_form": False})
-            res = evaluate(system, examples, out, state=state, meta=meta,
+            res = evaluate(system, stream_order(examples, vcfg.eval.stream) if stream else examples, out,
+                           state=state, meta=meta,
                            case_studies=vcfg.eval.case_studies, plots=vcfg.eval.plots, config=vcfg,
                            settings={"split": cfg.eval.split, "seed": vcfg.seed}, overwrite=vcfg.eval.overwrite, **kw)
             del system

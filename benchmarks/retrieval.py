@@ -126,7 +126,7 @@ def measure(cfg, examples: Sequence, modes: Sequence[str] = MODES, ks: Sequence[
     keep = [i for i, e in enumerate(ev_all) if e]
     exs, ev = [examples[i] for i in keep], [ev_all[i] for i in keep]
     unmapped = sum(1 for ex, e in zip(examples, ev_all) if not e and ex.extra.get("evidence"))
-    sizes = [bank.group_rows(ex.group)[1] - bank.group_rows(ex.group)[0] for ex in exs]
+    sizes = [bank.group_size(ex.group) for ex in exs]
     out: dict[str, Any] = {
         "n_examples": len(examples), "n_no_evidence": len(examples) - len(keep), "n_unmapped": unmapped,
         "group_sizes": {"min": min(sizes, default=0), "max": max(sizes, default=0),

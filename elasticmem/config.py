@@ -475,6 +475,13 @@ class EvalConfig:
     agent.games_dir in the live engine, one episode per game, and report the success rate per
     split and over all games (weighted by games), #Tok summed over each episode's steps, and a
     trace per episode (agent.* sets the episode limits)."""
+    stream: Literal["off", "session", "all"] = "off"
+    """Streaming evaluation (eval.task=qa, systems on the ElasticMem path): 'off' reads the built
+    bank (bank.dir); 'session' starts each conversation's memory empty, adds it session by
+    session through the live append path (as LiveMemory.add does) and asks each question right
+    after the session its evidence ends in (extra.evidence; without evidence: after the last
+    session); 'all' adds every session that way before asking (answers equal 'off's). The
+    streamed bank is kept in the output folder (stream_bank-<process>); bank.dir is not read."""
 
 
 @dataclass

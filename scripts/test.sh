@@ -6,8 +6,9 @@
 # them skip with a reason) when ELASTICMEM_SKIP_FETCH=1.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-# the agent extra: the ALFWorld engine tests (tests/integration/test_alfworld_engine.py)
-EXTRAS=${EXTRAS:-dev,agent}
+# the agent extra: the ALFWorld engine tests (tests/integration/test_alfworld_engine.py);
+# serve: the HTTP server tests (tests/integration/test_serve.py)
+EXTRAS=${EXTRAS:-dev,agent,serve}
 source scripts/setup.sh
 if [ "${ELASTICMEM_SKIP_FETCH:-0}" != "1" ]; then
   python -m elasticmem.backbone fetch smollm2

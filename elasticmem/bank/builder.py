@@ -416,7 +416,7 @@ def _prepare_dir(out: Path, plan: Plan, overwrite: bool, is_main: bool) -> str:
         if out.exists():
             for p in out.iterdir():
                 if p.name in (MANIFEST, CHUNKS, BUILD_DIR, "index.faiss", "index.json", "config.yaml") or (
-                    p.name.startswith("shard-")
+                    p.name.startswith(("shard-", "chunks-"))
                 ):
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         (out / BUILD_DIR).mkdir(parents=True, exist_ok=True)
@@ -451,8 +451,8 @@ def _record_fingerprints(out: Path, plan: Plan) -> None:
     version's bank, or texts that differ only past the token cap): its rows are exactly what this
     data gives, so record the chunk texts and their fingerprints without encoding anything."""
     manifest = json.loads((out / MANIFEST).read_text())
-    if manifest.get(GROUPS_SHA256) == plan.groups_sha256:
-        return
+    if manifest.get(GROUPS_SHA256) == plan.groups_sha256 or manifest.get("build", {}).get("appends"):
+        return  # an appended bank records its fingerprints, and holds more than this plan's chunks
     _write_chunks(out, plan)
     manifest[GROUPS_SHA256] = plan.groups_sha256
     _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))

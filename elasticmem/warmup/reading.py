@@ -169,7 +169,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     if resume is None:
         metrics_path.unlink(missing_ok=True)
         groups = sorted({ex.group for ex in examples})
-        chunk_rows = [r for g in groups for r in range(*bank.group_rows(g))]
+        chunk_rows = [r for g in groups for r in bank.group_row_ids(g).tolist()]
         latent = bool(mem_cfg.top_z) and mem_cfg.injection == "latent"
         if w.align_steps and latent:
             last = _align(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)

@@ -182,12 +182,23 @@ class MappedIndex:
 
     def __init__(self, bank: Bank, rmap: RetrievalMap, batch_rows: int = 8192):
         self.map = rmap
+        self.batch_rows = batch_rows
+        self.keys = torch.zeros(0, rmap.d_out)
+        self.refresh(bank)
+
+    def refresh(self, bank: Bank) -> "MappedIndex":
+        """Map the rows ``bank`` (a grown snapshot of this bank) has beyond those mapped; another bank
+        is mapped anew."""
+        if self.keys.shape[0] and not bank.extends(self.bank):
+            self.keys = self.keys[:0]
+        self.bank = bank
+        n, b = self.keys.shape[0], self.batch_rows
         with torch.no_grad():
-            parts = [rmap.map_keys(bank.keys(a, min(a + batch_rows, bank.num_chunks)))
-                     for a in range(0, bank.num_chunks, batch_rows)]
-        keys = torch.cat(parts) if parts else torch.zeros(0, rmap.d_out)
-        self.keys = nn.functional.normalize(keys, dim=-1)
+            parts = [self.map.map_keys(bank.keys(a, min(a + b, bank.num_chunks))) for a in range(n, bank.num_chunks, b)]
+        if parts:
+            self.keys = torch.cat([self.keys, nn.functional.normalize(torch.cat(parts), dim=-1)])
         self._index = TorchIndex(bank, self.keys)
+        return self
 
     def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
         with torch.no_grad():

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import LAUNCH_2, ROOT, make_examples, requires_smollm2
+
 from elasticmem.bank import Bank
 
 
@@ -56,22 +56,38 @@ def test_cli_builds_prints_and_saves_config(tmp_path, tiny_data):
     assert "already built" in again.stdout
 
 
-def test_cli_errors_are_clear(tmp_path, tiny_data):
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", "bank.shard_row=3"], check=False)
-    assert p.returncode == 2 and "did you mean 'bank.shard_rows'" in p.stderr
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tmp_path}/none"],
-             check=False)
-    assert p.returncode == 2 and "prepare the data first" in p.stderr
+def _build_bank_here(capsys, args: list[str], code: int = 0) -> tuple[str, str]:
+    """build_bank.py's main() in this process (no start-up cost): its stdout and stderr."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_bank_cli", ROOT / "build_bank.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    capsys.readouterr()
+    try:
+        got = cli.main(args)
+    except SystemExit as e:  # argparse and parse_cli exit on a bad argument
+        got = e.code
+    out, err = capsys.readouterr()
+    assert got == code, f"exit {got}\n{err[-3000:]}"
+    return out, err
+
+
+def test_cli_errors_are_clear(tmp_path, tiny_data, capsys):
+    config = ["--config", str(ROOT / "configs/tiny.yaml")]
+    _, err = _build_bank_here(capsys, [*config, "bank.shard_row=3"], code=2)
+    assert "did you mean 'bank.shard_rows'" in err
+    _, err = _build_bank_here(capsys, [*config, f"data.dir={tmp_path}/none"], code=2)
+    assert "prepare the data first" in err
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "train.jsonl").write_text('{"id": "a", "question": "q", "choices": ["x", "y"], "answer_index": 0, '
                                      '"history": []}\n')
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={bad}",
-              "bank.splits=[train]", f"bank.dir={tmp_path}/b"], check=False)
-    assert p.returncode == 2 and f"{bad}/train.jsonl:1" in p.stderr and "'history' is empty" in p.stderr
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
-              "model.name_or_path=/no/such/model"], check=False)
-    assert p.returncode == 2 and "model path not found: /no/such/model" in p.stderr
+    _, err = _build_bank_here(capsys, [*config, f"data.dir={bad}", "bank.splits=[train]", f"bank.dir={tmp_path}/b"],
+                              code=2)
+    assert f"{bad}/train.jsonl:1" in err and "'history' is empty" in err
+    _, err = _build_bank_here(capsys, [*config, f"data.dir={tiny_data}", "model.name_or_path=/no/such/model"], code=2)
+    assert "model path not found: /no/such/model" in err
 
 
 def test_two_process_build_equals_one_process(tmp_path, tiny_data):
@@ -159,3 +175,36 @@ def test_parts_built_at_once_then_merged_equal_a_one_process_build(tmp_path, tin
     assert_same_bank_files(tmp_path / "one", parts)
     bad = _run([sys.executable, *common, f"bank.dir={tmp_path}/x", "bank.part=3/3"], check=False)
     assert bad.returncode == 2 and "0 <= K < N" in bad.stderr
+
+
+def test_cli_append_adds_new_sessions_and_groups_once(tmp_path, capsys):
+    """--append on a bank built from the first sessions of some conversations adds their later
+    sessions and the other conversations: per group it equals a build of the whole data, and a
+    second --append adds nothing."""
+    import dataclasses
+
+    from elasticmem.data.schema import write_examples
+    from elasticmem.data.synthetic import SyntheticConfig, generate
+
+    full = [ex for s in generate(SyntheticConfig(variant="persona", num_histories=3, num_facts=3, num_filler=1,
+                                                 num_options=4), seed=2).values() for ex in s]
+    groups = sorted({ex.group for ex in full})
+    early = [dataclasses.replace(ex, history=ex.history[:2]) for ex in full if ex.group != groups[-1]]
+    write_examples(tmp_path / "early" / "test.jsonl", early)
+    write_examples(tmp_path / "full" / "test.jsonl", full)
+    base = ["--config", str(ROOT / "configs/tiny.yaml"), "bank.splits=[test]", "model.tiny.char_fallback=true"]
+    _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/early", f"bank.dir={tmp_path}/grown"])
+    _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/full", f"bank.dir={tmp_path}/union"])
+    stdout, _ = _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/full", f"bank.dir={tmp_path}/grown", "--append"])
+    grown, union = Bank.open(tmp_path / "grown", verify=True), Bank.open(tmp_path / "union")
+    assert grown.num_chunks == union.num_chunks and set(grown.groups) == set(union.groups) == set(groups)
+    assert "(1 new)" in stdout and "chunk(s) added to 3 group(s)" in stdout
+    for g in groups:
+        a, b = grown.group_row_ids(g), union.group_row_ids(g)
+        assert [grown.chunk(r)["text"] for r in a.tolist()] == [union.chunk(r)["text"] for r in b.tolist()]
+        assert [grown.chunk(r)["session"] for r in a.tolist()] == [union.chunk(r)["session"] for r in b.tolist()]
+        assert (grown.gather_keys(a) - union.gather_keys(b)).abs().max() <= 1e-6
+        assert (grown.gather(a)[0] - union.gather(b)[0]).abs().max() <= 1e-6
+    assert grown.groups_sha256 == union.groups_sha256
+    again, _ = _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/full", f"bank.dir={tmp_path}/grown", "--append"])
+    assert "0 chunk(s) added" in again and Bank.open(tmp_path / "grown").num_chunks == union.num_chunks

@@ -189,8 +189,8 @@ def test_synthetic_persona_evidence_maps_to_the_fact_turns():
                     self.groups[ex.group] = (len(self.rows), len(self.rows) + len(cs))
                     self.rows += [{"text": c.text, "session": c.session, "turns": list(c.turns)} for c in cs]
 
-        def group_rows(self, g):
-            return self.groups[g]
+        def group_row_ids(self, g):
+            return torch.arange(*self.groups[g])
 
         def chunks(self):
             return self.rows

@@ -366,8 +366,9 @@ class ElasticMem(nn.Module):
         mask = res.rows >= 0
         if not mask.all():
             small = sorted({g for g, m in zip(groups, mask) if not m.all()})
-            self._warn_once("small_group", f"top_z={Z} is larger than {len(small)} bank group(s) "
-                            f"(e.g. {small[0]!r}); using the chunks that exist (missing slots are masked)")
+            self._warn_once("small_group", f"top_z={Z} is larger than the number of chunks of {len(small)} bank "
+                            f"group(s) (e.g. {small[0]!r}); using the chunks that exist (missing slots are masked; "
+                            f"said once)")
         scores = torch.where(mask, res.scores, torch.zeros_like(res.scores))
         return res.rows, scores, mask
 

@@ -40,20 +40,20 @@ def tiny_data(tmp_path_factory):
     return d
 
 
-def test_cli_builds_prints_and_saves_config(tmp_path, tiny_data):
+def test_cli_builds_prints_and_saves_config(tmp_path, tiny_data, capsys):
     out = tmp_path / "bank"
-    p = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
-              f"bank.dir={out}", "bank.shard_rows=16", "bank.verify=true"])
-    assert "resolved config:" in p.stderr
+    stdout, stderr = _build_bank_here(capsys, ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_data}",
+                                               f"bank.dir={out}", "bank.shard_rows=16", "bank.verify=true"])
+    assert "resolved config:" in stderr
     bank = Bank.open(out, verify=True)
-    assert f"chunks {bank.num_chunks}" in p.stdout and "(built, verified)" in p.stdout
+    assert f"chunks {bank.num_chunks}" in stdout and "(built, verified)" in stdout
     assert (out / "config.yaml").is_file()
     n_groups = sum(len({json.loads(line)["group"] for line in (tiny_data / f"{s}.jsonl").open()})
                    for s in ("train", "val", "test"))
     assert len(bank.groups) == n_groups
-    again = _run([sys.executable, "build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}",
-                  f"bank.dir={out}", "bank.shard_rows=16"])
-    assert "already built" in again.stdout
+    again, _ = _build_bank_here(capsys, ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_data}",
+                                         f"bank.dir={out}", "bank.shard_rows=16"])
+    assert "already built" in again
 
 
 def _build_bank_here(capsys, args: list[str], code: int = 0) -> tuple[str, str]:
@@ -90,9 +90,10 @@ def test_cli_errors_are_clear(tmp_path, tiny_data, capsys):
     assert "model path not found: /no/such/model" in err
 
 
-def test_two_process_build_equals_one_process(tmp_path, tiny_data):
+def test_two_process_build_equals_one_process(tmp_path, tiny_data, capsys):
     common = ["build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}", "bank.shard_rows=8"]
-    _run([sys.executable, *common, f"bank.dir={tmp_path}/one"])
+    _build_bank_here(capsys, ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_data}", "bank.shard_rows=8",
+                              f"bank.dir={tmp_path}/one"])  # in this process: no start-up cost
     # Real DDP over gloo on CPU needs ACCELERATE_USE_CPU with --multi_gpu (see DESIGN.md section 4).
     env = dict(_env(), ACCELERATE_USE_CPU="1")
     _run([*LAUNCH_2, *common, f"bank.dir={tmp_path}/two"], env=env)
@@ -156,11 +157,12 @@ def assert_same_bank_files(one, two) -> None:
     assert m1 == m2
 
 
-def test_parts_built_at_once_then_merged_equal_a_one_process_build(tmp_path, tiny_data):
+def test_parts_built_at_once_then_merged_equal_a_one_process_build(tmp_path, tiny_data, capsys):
     """bank.part=K/N (job-array tasks, here 3 processes started together) then a plain run (the
     merge) gives the bank a single process builds, byte for byte."""
     common = ["build_bank.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_data}", "bank.shard_rows=8"]
-    _run([sys.executable, *common, f"bank.dir={tmp_path}/one"])
+    here = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_data}", "bank.shard_rows=8"]
+    _build_bank_here(capsys, [*here, f"bank.dir={tmp_path}/one"])  # in this process: no start-up cost
     parts = tmp_path / "parts"
     procs = [subprocess.Popen([sys.executable, *common, f"bank.dir={parts}", f"bank.part={k}/3"], cwd=ROOT,
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -169,12 +171,12 @@ def test_parts_built_at_once_then_merged_equal_a_one_process_build(tmp_path, tin
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0 and f"part {k}/3 done" in out, err[-3000:]
     assert not (parts / "manifest.json").exists()
-    merged = _run([sys.executable, *common, f"bank.dir={parts}"])
-    assert "(resumed" in merged.stdout and "0 shard(s) encoded" in merged.stdout
+    merged, _ = _build_bank_here(capsys, [*here, f"bank.dir={parts}"])
+    assert "(resumed" in merged and "0 shard(s) encoded" in merged
     assert set(Bank.open(parts, verify=True).manifest["build"]["shard_writers"]) == {0, 1, 2}
     assert_same_bank_files(tmp_path / "one", parts)
-    bad = _run([sys.executable, *common, f"bank.dir={tmp_path}/x", "bank.part=3/3"], check=False)
-    assert bad.returncode == 2 and "0 <= K < N" in bad.stderr
+    _, bad = _build_bank_here(capsys, [*here, f"bank.dir={tmp_path}/x", "bank.part=3/3"], code=2)
+    assert "0 <= K < N" in bad
 
 
 def test_cli_append_adds_new_sessions_and_groups_once(tmp_path, capsys):

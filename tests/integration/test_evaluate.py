@@ -282,14 +282,14 @@ def test_two_processes_give_the_predictions_of_one(variants_run, tmp_path):
         assert [m["score"] for m in a["retrieved"]] == pytest.approx([m["score"] for m in b["retrieved"]], abs=1e-5)
 
 
-def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_path):  # noqa: F811
+def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_path, capsys):  # noqa: F811
     """evaluate.py checkpoint=final on val == the accuracy and #Tok the trainer measured itself."""
     from test_train import _train_cli
 
     run = tmp_path / "run"
     _train_cli(tiny_setup, run, "train.max_steps=20", "train.eval_split=val", "train.save_every=100")
     trainer_eval = json.loads((run / "eval_val.json").read_text())
-    _evaluate(tiny_setup, tmp_path / "ev", f"checkpoint={run}/final", "split=val", "eval.batch_size=7")
+    _evaluate_here(tiny_setup, tmp_path / "ev", capsys, f"checkpoint={run}/final", "split=val", "eval.batch_size=7")
     res = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert res["num_examples"] == trainer_eval["num_examples"]
     assert res["accuracy"] == pytest.approx(trainer_eval["accuracy"])
@@ -300,7 +300,7 @@ def test_checkpoint_evaluation_equals_the_trainers_greedy_eval(tiny_setup, tmp_p
     assert res["checkpoint"] == f"{run}/final"
 
 
-def test_text_memory_trained_by_grpo_is_evaluated_as_text(tiny_setup, tmp_path):  # noqa: F811
+def test_text_memory_trained_by_grpo_is_evaluated_as_text(tiny_setup, tmp_path, capsys):  # noqa: F811
     """memory.injection=text trains through the same trainer (no budget actions in the loss) and
     its checkpoint evaluates with the same injection: the paper's text-memory + GRPO control."""
     from test_train import _metrics, _train_cli
@@ -309,16 +309,17 @@ def test_text_memory_trained_by_grpo_is_evaluated_as_text(tiny_setup, tmp_path):
     _train_cli(tiny_setup, run, "memory.injection=text", "train.max_steps=3", "train.eval_split=")
     rows = _metrics(run)
     assert all(r["units/budget"] == 0 and r["units/lm"] > 0 for r in rows)
-    _evaluate(tiny_setup, tmp_path / "ev", f"checkpoint={run}/final", "eval.limit=10")
+    _evaluate_here(tiny_setup, tmp_path / "ev", capsys, f"checkpoint={run}/final", "eval.limit=10")
     recs = _records(tmp_path / "ev" / "predictions.jsonl")
     assert all(m["budget"] is None and m["tokens"] > 0 for r in recs for m in r["retrieved"])
     assert json.loads((tmp_path / "ev" / "results.json").read_text())["avg_memory_tokens"] > 0
 
 
-def test_amem_runs_in_the_same_harness(tiny_setup, tmp_path):  # noqa: F811
+def test_amem_runs_in_the_same_harness(tiny_setup, tmp_path, capsys):  # noqa: F811
     """eval.system=amem (notes written by the tiny model, MiniLM embeddings) answers through
     evaluate.py like the other systems; its notes appear as retrieved memories."""
-    _evaluate(tiny_setup, tmp_path, "system=amem", "amem.llm.model=tiny", "eval.limit=4", "amem.max_new_tokens=96")
+    _evaluate_here(tiny_setup, tmp_path, capsys, "system=amem", "amem.llm.model=tiny", "eval.limit=4",
+                   "amem.max_new_tokens=96")
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["system"] == "amem" and res["num_examples"] == 4
     recs = _records(tmp_path / "predictions.jsonl")

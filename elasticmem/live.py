@@ -122,8 +122,9 @@ class LiveMemory:
     """A trained ElasticMem (or a baseline on its code path) over a bank it can append to."""
 
     def __init__(self, model, system: str = "elasticmem", batch_size: int = 8, max_turn_chars: int = MAX_TURN_CHARS,
-                 encode_batch_size: int = 16):
-        """``model``: an ``ElasticMem`` in eval mode; ``batch_size``: questions per forward pass."""
+                 encode_batch_size: int = 16, answerer=None):
+        """``model``: an ``ElasticMem`` in eval mode; ``batch_size``: questions per forward pass;
+        ``answerer``: the ``ElasticMemSystem`` over it, when the caller has one (``load``)."""
         from elasticmem.eval.systems import ElasticMemSystem
 
         self.model = model
@@ -131,7 +132,7 @@ class LiveMemory:
         self.batch_size = batch_size
         self.max_turn_chars = max_turn_chars
         self.encode_batch_size = encode_batch_size
-        self._answerer = ElasticMemSystem(model, system)
+        self._answerer = answerer or ElasticMemSystem(model, system)
         self._lock = threading.RLock()
         self._asked = 0
         self._manifest_stat = self._stat()
@@ -152,13 +153,8 @@ class LiveMemory:
         """
         import torch
 
-        from elasticmem.backbone import load_backbone
-        from elasticmem.bank import Bank, build_index, resolve_cache_dtype
-        from elasticmem.bank.append import create_bank
-        from elasticmem.bank.store import MANIFEST
         from elasticmem.config import Config
-        from elasticmem.eval.systems import SYSTEM_MEMORY, memory_config
-        from elasticmem.model.elasticmem import ElasticMem
+        from elasticmem.eval.systems import SYSTEM_MEMORY, build_system
         from elasticmem.utils.configuration import ConfigError
         from elasticmem.utils.configuration import load as load_config
 
@@ -177,18 +173,8 @@ class LiveMemory:
             cfg.bank.dir = str(bank)
         dev = torch.device(device or (cfg.model.device if cfg.model.device != "auto" else
                                       ("cuda" if torch.cuda.is_available() else "cpu")))
-        backbone = load_backbone(cfg.model, device=dev)
-        if (Path(cfg.bank.dir) / MANIFEST).is_file():
-            the_bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-        else:
-            the_bank = create_bank(cfg.bank.dir, backbone, cfg.chunking, cfg.bank,
-                                   resolve_cache_dtype(cfg.bank.cache_dtype, dev))
-        index = build_index(the_bank, cfg.bank.index, cfg.seed, dev.index or 0)
-        model = ElasticMem(backbone, memory_config(cfg, overrides), the_bank, index)
-        if checkpoint is not None:
-            model.load_weights(checkpoint)
-        model.eval()
-        return cls(model, system, batch_size, max_turn_chars)
+        answerer = build_system(cfg, overrides, device=dev, create_bank=True)
+        return cls(answerer.model, system, batch_size, max_turn_chars, answerer=answerer)
 
     # ------------------------------------------------------------------ memory
 

@@ -347,26 +347,32 @@ class ModelWorker:
                 with self._lock:
                     self.busy_s += time.perf_counter() - t0
 
+    @staticmethod
+    def _each(call: Callable[[list], list], payloads: list) -> list[tuple[Any, BaseException | None]]:
+        """``call`` on the whole batch, one ``(result, error)`` per payload: when the batch fails,
+        each payload alone, so one bad request does not fail the others (adds stay in order)."""
+        try:
+            results = call(payloads)
+            if len(results) != len(payloads):
+                raise RuntimeError(f"got {len(results)} results for {len(payloads)} requests")
+            return [(r, None) for r in results]
+        except Exception as batch_error:
+            if len(payloads) == 1:
+                return [(None, batch_error)]
+        out: list[tuple[Any, BaseException | None]] = []
+        for payload in payloads:
+            try:
+                out.append((call([payload])[0], None))
+            except Exception as e:
+                out.append((None, e))
+        return out
+
     def _asks(self, run: list[_Job]) -> None:
         # a client that went away before its turn costs nothing
         live_jobs = [job for job in run if job.future.set_running_or_notify_cancel()]
         if not live_jobs:
             return
-        try:
-            answers = self.live.ask_many([job.payload for job in live_jobs])
-            if len(answers) != len(live_jobs):
-                raise RuntimeError(f"ask_many returned {len(answers)} answers for {len(live_jobs)} questions")
-            results: list[tuple[Any, BaseException | None]] = [(a, None) for a in answers]
-        except Exception as batch_error:
-            if len(live_jobs) == 1:
-                results = [(None, batch_error)]
-            else:  # one bad question must not fail the others: answer each alone to find it
-                results = []
-                for job in live_jobs:
-                    try:
-                        results.append((self.live.ask_many([job.payload])[0], None))
-                    except Exception as e:
-                        results.append((None, e))
+        results = self._each(self.live.ask_many, [job.payload for job in live_jobs])
         with self._lock:
             self.ask_batches += 1
             self.ask_batch_sizes[len(live_jobs)] += 1
@@ -385,21 +391,7 @@ class ModelWorker:
         # Adds are applied even when their client went away: it was accepted into the queue, and a
         # retry of it is skipped as a duplicate, so applying it can never double it.
         jobs = [(job, job.future.set_running_or_notify_cancel()) for job in run]
-        try:
-            results = self.live.add_many([job.payload for job, _ in jobs])
-            if len(results) != len(jobs):
-                raise RuntimeError(f"add_many returned {len(results)} results for {len(jobs)} sessions")
-            outcome: list[tuple[Any, BaseException | None]] = [(r, None) for r in results]
-        except Exception as batch_error:
-            if len(jobs) == 1:
-                outcome = [(None, batch_error)]
-            else:  # find the bad session; the others are still applied, in order
-                outcome = []
-                for job, _ in jobs:
-                    try:
-                        outcome.append((self.live.add_many([job.payload])[0], None))
-                    except Exception as e:
-                        outcome.append((None, e))
+        outcome = self._each(self.live.add_many, [job.payload for job, _ in jobs])
         with self._lock:
             self.add_batches += 1
             for result, err in outcome:

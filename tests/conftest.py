@@ -83,6 +83,23 @@ def make_examples(n_groups: int = 3, seed: int = 0, questions_per_group: int = 2
     return examples
 
 
+def run_cli_here(script: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """A CLI script's ``main(args)`` (``script``: e.g. "evaluate.py" at the repo root) in this
+    process, without a process start-up: exit code (argparse's SystemExit too), stdout, stderr."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_cli", ROOT / script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    capsys.readouterr()
+    try:
+        code = cli.main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.fixture
 def one_thread():
     """Token-by-token decoding is several times slower with 2 threads on a loaded 2-core machine."""

@@ -139,12 +139,14 @@ class ElasticMemSystem:
         return out
 
 
-def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream_dir: str | Path | None = None
-                 ) -> MemorySystem:
+def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream_dir: str | Path | None = None,
+                 create_bank: bool = False) -> MemorySystem:
     """The system ``cfg.eval.system`` on ``cfg``'s model and bank (checkpoint loaded if given).
 
-    ``stream_dir`` (with ``cfg.eval.stream`` 'session' or 'all'): the folder of the streamed bank,
-    emptied; the system is a ``StreamingSystem`` that fills it as it answers."""
+    ``create_bank``: a ``bank.dir`` holding no bank gets an empty one (the settings of a build of
+    ``cfg.bank``) for appends to fill (``LiveMemory``). ``stream_dir`` (with ``cfg.eval.stream``
+    'session' or 'all'): the folder of the streamed bank, created likewise; the system is a
+    ``StreamingSystem`` that fills it as it answers."""
     from elasticmem.backbone import load_backbone
 
     if cfg.eval.system == "amem":
@@ -155,24 +157,25 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     from elasticmem.model.elasticmem import ElasticMem
 
     backbone = load_backbone(cfg.model, device=device)
-    if cfg.eval.stream != "off":
+    stream = cfg.eval.stream != "off"
+    if stream and stream_dir is None:
+        raise ValueError("eval.stream needs the folder of the streamed bank (stream_dir)")
+    bank_dir = Path(stream_dir if stream else cfg.bank.dir)
+
+    def make_bank():  # empty; the same settings as a build of cfg.bank
         import shutil
 
         from elasticmem.bank import resolve_cache_dtype
-        from elasticmem.bank.append import create_bank
+        from elasticmem.bank.append import create_bank as create
 
-        if stream_dir is None:
-            raise ValueError("eval.stream needs the folder of the streamed bank (stream_dir)")
+        shutil.rmtree(bank_dir, ignore_errors=True)
+        return create(bank_dir, backbone, cfg.chunking, cfg.bank, resolve_cache_dtype(cfg.bank.cache_dtype,
+                                                                                     backbone.device))
 
-        def make_bank():  # empty; the same settings as a build of cfg.bank
-            shutil.rmtree(stream_dir, ignore_errors=True)
-            return create_bank(stream_dir, backbone, cfg.chunking, cfg.bank,
-                               resolve_cache_dtype(cfg.bank.cache_dtype, backbone.device))
-
-        bank = Bank.open(stream_dir, expect_fingerprint=backbone.fingerprint) if (
-            Path(stream_dir) / "manifest.json").is_file() else make_bank()
+    if (stream or create_bank) and not (bank_dir / "manifest.json").is_file():
+        bank = make_bank()
     else:
-        bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+        bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
     model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
     checkpoint = None
     if cfg.eval.checkpoint:
@@ -181,7 +184,7 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     model.eval()
     index = {k: v for k, v in to_dict(cfg.bank.index).items() if k != "save"}  # save only caches
     system = ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index})
-    if cfg.eval.stream != "off":
+    if stream:
         from elasticmem.eval.streaming import StreamingSystem
 
         return StreamingSystem(system, cfg.eval.stream, make_bank)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import LAUNCH_2, ROOT, make_examples, requires_smollm2
+from conftest import LAUNCH_2, ROOT, make_examples, requires_smollm2, run_cli_here
 
 from elasticmem.bank import Bank
 
@@ -58,17 +58,7 @@ def test_cli_builds_prints_and_saves_config(tmp_path, tiny_data, capsys):
 
 def _build_bank_here(capsys, args: list[str], code: int = 0) -> tuple[str, str]:
     """build_bank.py's main() in this process (no start-up cost): its stdout and stderr."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_bank_cli", ROOT / "build_bank.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    capsys.readouterr()
-    try:
-        got = cli.main(args)
-    except SystemExit as e:  # argparse and parse_cli exit on a bad argument
-        got = e.code
-    out, err = capsys.readouterr()
+    got, out, err = run_cli_here("build_bank.py", args, capsys)
     assert got == code, f"exit {got}\n{err[-3000:]}"
     return out, err
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
-from conftest import LAUNCH_2, ROOT
+from conftest import LAUNCH_2, ROOT, run_cli_here
 from test_train import _env, tiny_setup  # noqa: F401  (fixture)
 
 VARIANTS = ("{elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag], "
@@ -174,15 +174,8 @@ def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup,
 
 def _evaluate_here(root: Path, out: Path, capsys, *overrides: str, code=0) -> str:
     """evaluate.py's main() in this process (no start-up cost); its stderr."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("evaluate_cli", ROOT / "evaluate.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    capsys.readouterr()
-    got = cli.main(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={root}/data", f"bank.dir={root}/bank",
-                    f"eval.output_dir={out}", *overrides])
-    err = capsys.readouterr().err
+    got, _, err = run_cli_here("evaluate.py", ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={root}/data",
+                                               f"bank.dir={root}/bank", f"eval.output_dir={out}", *overrides], capsys)
     assert got == code, f"exit {got}\n{err[-4000:]}"
     return err
 

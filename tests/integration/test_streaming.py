@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_cli_here
 
 from elasticmem.bank import build_bank
 from elasticmem.config import Config
@@ -106,14 +106,8 @@ def test_streaming_on_a_locomo_conversation(tmp_path):
 
 def _evaluate_here(capsys, args: list[str]) -> tuple[int, str]:
     """evaluate.py's main() in this process (no start-up cost): exit code and stderr."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("evaluate_cli", ROOT / "evaluate.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    capsys.readouterr()
-    code = cli.main(args)
-    return code, capsys.readouterr().err
+    code, _, err = run_cli_here("evaluate.py", args, capsys)
+    return code, err
 
 
 def test_evaluate_cli_streams_and_resumes(tmp_path, capsys):

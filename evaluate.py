@@ -11,7 +11,9 @@
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
 The output folder (eval.output_dir, one subfolder per variant) gets results.json,
 predictions.jsonl, report.md, case_study.md and, for ElasticMem, the budget plots;
-with variants also comparison.md and accuracy_vs_tokens.png. Running the same
+with variants also comparison.md and accuracy_vs_tokens.png, and seeds.md (mean and
+interval over training seeds, paired by seed) when variant names say ``system@seed``
+(``{elasticmem@0: [eval.checkpoint=A/final], elasticmem@1: [...], memgen@0: [...]}``). Running the same
 command again resumes: examples already answered are not answered again. A folder
 holding predictions of another system, checkpoint, setting or data file is refused;
 eval.overwrite=true deletes them and starts over.
@@ -131,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, entry in json.loads(path.with_suffix(".json").read_text())["paired"].items():
                 print(f"evaluate.py: {report.paired_line(name, entry)}")
             print(f"evaluate.py: comparison -> {path} and {path.with_suffix('.json')}")
+            groups = report.seed_groups(list(results))
+            if groups:  # variants named system@seed: the same system trained with other seeds
+                seeds = report.write_seeds({g: [results[n] for n in names] for g, names in groups.items()},
+                                           out_root / "seeds.md", title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}"
+                                           f", across training seeds")
+                print(f"evaluate.py: across seeds -> {seeds}")
     except (ConfigError, SchemaError, BankError, FileNotFoundError, OutputDirError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2

@@ -270,6 +270,51 @@ class MemoryConfig:
     """The projector from cached states to input embeddings."""
 
 
+@dataclass
+class MemGenConfig:
+    """The MemGen baseline (train.system=memgen, eval.system=memgen): a memory weaver and a memory
+    trigger around a frozen reasoner (Zhang et al. 2025, arXiv:2509.24704), reimplemented on this
+    framework's prompt, retrieval and GRPO code. Defaults follow the MemGen paper and its public
+    code where they say (K = 8 latents, delimiters ``,`` ``.`` newline, at most 5 insertions
+    while answering, weaver LoRA r 16 / alpha 32 / dropout 0.1 on q_proj and v_proj: set those
+    in memory.lora, which is the weaver's adapter here)."""
+
+    prompt_latents: int = 8
+    """K latent tokens the weaver inserts at the prompt/answer boundary (always inserted)."""
+    inference_latents: int = 8
+    """K latent tokens inserted at a delimiter while answering, when the trigger invokes the weaver."""
+    delimiters: list[str] = field(default_factory=lambda: [",", ".", "\n"])
+    """A generated token whose text ends with one of these is a decision point of the trigger."""
+    max_insertions: int = 5
+    """Most weaver insertions while answering (decision points after this many are not offered)."""
+    trigger: Literal["learned", "always", "never"] = "learned"
+    """'learned' = the trigger module samples invoke / skip at each decision point (its
+    log-probs enter the GRPO loss as the decisions' units); 'always' = invoke at every decision
+    point (MemGen's weaver-training stage, trigger inactive); 'never' = only the prompt insertion."""
+    trigger_hidden: int = 128
+    """Width of the trigger: an MLP over the frozen reasoner's final state at the decision point.
+    (MemGen's trigger is a LoRA copy of the reasoner with a 2-way head; reading the reasoner's own
+    state at the same point is the cheaper form of the same decision.)"""
+    history: Literal["retrieved", "none"] = "retrieved"
+    """What the weaver reads besides the reasoner's context: 'retrieved' = the text of the top_z
+    chunks that memory.retrieval finds in the query's bank group (so MemGen gets the same
+    source history as the other systems; the reasoner never sees that text, only the latents);
+    'none' = MemGen as released, the reasoner's context only (its memory is what training
+    wove into the weaver)."""
+    train_parts: list[str] = field(default_factory=lambda: ["weaver", "trigger"])
+    """Parts GRPO updates: 'weaver' (adapter, query latents, maps) and/or 'trigger'. MemGen's
+    stages: [weaver] with trigger=always, then [trigger] from that checkpoint (train.init_from)."""
+
+    def __post_init__(self) -> None:
+        _require(self.prompt_latents >= 0 and self.inference_latents >= 1,
+                 f"memgen.prompt_latents must be >= 0 and inference_latents >= 1, got "
+                 f"{self.prompt_latents} and {self.inference_latents}")
+        _require(self.max_insertions >= 0, f"memgen.max_insertions must be >= 0, got {self.max_insertions}")
+        _require(self.trigger_hidden >= 1, f"memgen.trigger_hidden must be >= 1, got {self.trigger_hidden}")
+        _require(bool(self.train_parts) and set(self.train_parts) <= {"weaver", "trigger"},
+                 f"memgen.train_parts must name 'weaver' and/or 'trigger', got {self.train_parts}")
+
+
 AdvantageScale = Literal["group", "none"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -428,18 +473,23 @@ class TrainConfig:
     memory.projector) must equal this run's, and its backbone must be this one (else refused)."""
     record_rollouts: str | None = None
     """Write every rollout batch to this folder (per process) so a run can be replayed exactly."""
+    system: Literal["elasticmem", "memgen"] = "elasticmem"
+    """What GRPO trains: 'elasticmem' (LoRA reasoner, budget policy, projector) or 'memgen' (the
+    MemGen baseline's weaver and trigger around the frozen reasoner, settings in ``memgen``;
+    the reward, data, rollouts and loss are the same)."""
 
 
 @dataclass
 class EvalConfig:
     """evaluate.py: greedy evaluation of a checkpoint, a baseline or a list of variants."""
 
-    system: Literal["elasticmem", "no_memory", "text_rag", "full_context", "amem"] = "elasticmem"
+    system: Literal["elasticmem", "no_memory", "text_rag", "full_context", "amem", "memgen"] = "elasticmem"
     """What answers: 'elasticmem' (latent memories); 'no_memory' (the reasoner alone, top_z=0);
     'text_rag' (the same top-Z retrieval, chunks inserted as plain text; retrieval by
     memory.retrieval, e.g. frozen or semantic); 'full_context' (the latest history that fits in
-    memory.recent_max_tokens, as text); 'amem' (A-Mem notes, see amem.*). The first four share
-    the ElasticMem code path, so a checkpoint trained with memory.injection=text is the paper's
+    memory.recent_max_tokens, as text); 'amem' (A-Mem notes, see amem.*); 'memgen' (the MemGen
+    baseline, a checkpoint trained with train.system=memgen). The first four share the
+    ElasticMem code path, so a checkpoint trained with memory.injection=text is the paper's
     text-memory + GRPO control."""
     checkpoint: str | None = None
     """A saved model (train.output_dir/final or a checkpoints/step_XXXXXX folder): its LoRA,
@@ -463,7 +513,10 @@ class EvalConfig:
     variants: dict[str, list[str]] = field(default_factory=dict)
     """Several systems or ablations in one command: {name: [key=value, ...]} applied on top of the
     config, e.g. {no_memory: [eval.system=no_memory], clip4: [memory.policy.clip_budget=4]}; each
-    is evaluated on the same examples and comparison.md / accuracy_vs_tokens.png compare them."""
+    is evaluated on the same examples and comparison.md / accuracy_vs_tokens.png compare them.
+    Names written system@seed (elasticmem@0, elasticmem@1, memgen@0, ...) are one system trained
+    with several seeds: seeds.md then gives each system's mean over seeds with a t interval and
+    the systems paired by seed against the first."""
     case_studies: int = 5
     """Examples dumped to case_study.md with question, gold, prediction and the retrieved chunks'
     text, rank, score and budget."""
@@ -634,6 +687,8 @@ class Config:
     """Evaluation (evaluate.py)."""
     amem: AMemConfig = field(default_factory=AMemConfig)
     """The A-Mem baseline (eval.system=amem)."""
+    memgen: MemGenConfig = field(default_factory=MemGenConfig)
+    """The MemGen baseline (train.system=memgen, eval.system=memgen)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """The supervised reading warm-up (python -m elasticmem.warmup.reading)."""
     agent: AgentConfig = field(default_factory=AgentConfig)

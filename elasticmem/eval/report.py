@@ -9,6 +9,9 @@
   McNemar test, accuracy difference with its 95 % interval, discordant counts, n); per-type
   accuracies (and the A-Mem Table 1 layout when all have free-form metrics).
   :func:`write_comparison` writes it with :func:`comparison_data` beside it as JSON.
+- :func:`seeds_markdown`: systems trained with several seeds (variants named ``system@seed``):
+  accuracy as the mean over seeds with a t interval over seeds, and each system against the
+  first paired by seed (``seeds.md``, :func:`write_seeds`).
 
 Accuracies and free-form metrics are printed in percent, as both papers do; every accuracy
 with its 95 % Wilson interval and n (``61.5 % [55.2, 67.4] (n = 240)``), and a flag when
@@ -19,6 +22,7 @@ Command line::
 
     python -m elasticmem.eval.report one RESULTS_JSON [--title T] [--out report.md]
     python -m elasticmem.eval.report compare RESULTS_JSON... [--names A B ...] [--out comparison.md]
+    python -m elasticmem.eval.report seeds NAME=RESULTS_JSON[,RESULTS_JSON...]... [--out seeds.md]
 
 ``compare`` pairs the systems by the ``predictions.jsonl`` beside each ``results.json``.
 """
@@ -353,6 +357,86 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
     return "\n\n".join(parts) + "\n"
 
 
+SEED_SEPARATOR = "@"
+"""Variant names ``system@seed`` (e.g. ``memgen@1``) are runs of one system trained with other seeds."""
+
+
+def seed_groups(names: Sequence[str]) -> dict[str, list[str]]:
+    """{system: [variant names]} of the names written ``system@seed``, in order; {} when no name is."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if SEED_SEPARATOR in n:
+            groups.setdefault(n.rsplit(SEED_SEPARATOR, 1)[0], []).append(n)
+    return groups
+
+
+def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across training seeds") -> dict[str, Any]:
+    """``seeds.json``: per system (one ``results.json`` dict per training seed, the first system the
+    reference): the mean accuracy over seeds with its t interval, the per-seed accuracies and n,
+    mean #Tok, memory tokens and latency; each system minus the reference, paired by seed
+    (the i-th results of each: the same seed) with a paired t-test."""
+    if not groups:
+        raise ValueError("no results to aggregate")
+    systems: dict[str, Any] = {}
+    for name, runs in groups.items():
+        accs = [headline(r)[1] for r in runs]
+        mean, ci = stats.seed_interval(accs)
+        systems[name] = {
+            "metric": headline(runs[0])[0], "seeds": len(runs), "mean": mean, "ci": None if ci is None else list(ci),
+            "per_seed": accs, "n_per_seed": [headline(r)[2] for r in runs],
+            **{k: sum(float(r.get(k) or 0.0) for r in runs) / len(runs)
+               for k in ("avg_tokens", "avg_memory_tokens", "latency_s_per_example")},
+        }
+    ref = next(iter(groups))
+    paired = {}
+    for name in list(groups)[1:]:
+        a, b = systems[ref]["per_seed"], systems[name]["per_seed"]
+        paired[name] = (stats.seed_paired(a, b) if len(a) == len(b)
+                        else {"not_paired": f"{len(b)} seeds against {len(a)} for {ref}"})
+    return {"title": title, "reference": ref, "level": stats.LEVEL, "systems": systems, "paired": paired}
+
+
+def seeds_markdown(data: Mapping[str, Any]) -> str:
+    """The table of :func:`seeds_data`: accuracy as mean over seeds [95 % t interval over seeds]."""
+    ref = data["reference"]
+    rows = []
+    for name, e in data["systems"].items():
+        ci = "–" if e["ci"] is None else f"[{100 * e['ci'][0]:.1f}, {100 * e['ci'][1]:.1f}]"
+        rows.append([name, str(e["seeds"]), f"{100 * e['mean']:.1f} {ci}",
+                     ", ".join(f"{100 * a:.1f}" for a in e["per_seed"]), ", ".join(map(str, e["n_per_seed"])),
+                     _num(e["avg_tokens"]), _num(e["avg_memory_tokens"]), _num(e["latency_s_per_example"], 4)])
+    metric = next(iter(data["systems"].values()))["metric"]
+    parts = [f"# {data['title']}",
+             _table(["system", "seeds", f"{metric} (%) mean [95 % CI over seeds]", "per seed (%)", "n per seed",
+                     "#Tok", "memory tokens", "latency (s)"], rows),
+             "The interval is Student's t over the seeds' results (how much another training run may differ); "
+             "each seed's own question-level interval is in its comparison.md. One seed has no interval."]
+    if data["paired"]:
+        parts.append(f"## Paired by seed against {ref}")
+        prow = []
+        for name, e in data["paired"].items():
+            if "not_paired" in e:
+                prow.append([name, "–", f"not paired: {e['not_paired']}", "–"])
+                continue
+            d_ci = e["difference_ci"]
+            ci = "–" if d_ci is None else f"[{_points(d_ci[0])}, {_points(d_ci[1])}]"
+            prow.append([name, str(e["seeds"]), f"{_points(e['difference'])} {ci}",
+                         "–" if e["p_value"] is None else _p_value(e["p_value"])])
+        parts.append(_table(["system", "seeds", f"Δ vs {ref} (points) [95 % CI over seeds]", "paired t-test p"], prow))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_seeds(groups: Mapping[str, Sequence[Results]], path: str | Path,
+                title: str = "Across training seeds") -> Path:
+    """Write :func:`seeds_markdown` to ``path`` (``seeds.md``) and :func:`seeds_data` beside it as JSON."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = seeds_data(groups, title)
+    path.write_text(seeds_markdown(data), encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return path
+
+
 def write_report(results: Results, path: str | Path, title: str | None = None) -> Path:
     """Write :func:`results_markdown` to ``path``; returns it."""
     path = Path(path)
@@ -387,7 +471,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cp.add_argument("--names", nargs="*", default=None, help="one label per file (default: 'system' or folder name)")
     cp.add_argument("--title", default="Comparison")
     cp.add_argument("--out", default="comparison.md")
+    sp = sub.add_parser("seeds", help="mean and interval over training seeds, per system")
+    sp.add_argument("runs", nargs="+", metavar="NAME=RESULTS_JSON[,RESULTS_JSON...]",
+                    help="one system's results.json per seed, the same seed order for every system; the first "
+                         "system is the reference")
+    sp.add_argument("--title", default="Across training seeds")
+    sp.add_argument("--out", default="seeds.md")
     a = p.parse_args(argv)
+    if a.cmd == "seeds":
+        groups = {}
+        for spec in a.runs:
+            name, sep, files = spec.partition("=")
+            if not sep or not files:
+                p.error(f"{spec!r}: write NAME=RESULTS_JSON[,RESULTS_JSON...]")
+            groups[name] = [load_results(Path(f)) for f in files.split(",")]
+        print(write_seeds(groups, a.out, a.title))
+        return 0
     if a.cmd == "one":
         path = Path(a.results)
         print(write_report(load_results(path), a.out or path.with_name("report.md"), a.title))

@@ -214,3 +214,36 @@ def pair_by_id(a: Mapping[str, bool], b: Mapping[str, bool]) -> tuple[list[bool]
                            f"(e.g. {only_a[:2]}), {len(only_b)} only in the second (e.g. {only_b[:2]})")
     ids = sorted(a)
     return [bool(a[i]) for i in ids], [bool(b[i]) for i in ids]
+
+
+def seed_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, tuple[float, float] | None]:
+    """Mean of per-seed results (one value per independent training seed) and the Student t
+    interval of that mean (scipy's ``t.interval``); None with fewer than two seeds, where the
+    spread between seeds is unknown. Over seeds, not questions: it says how much another
+    training run could differ, which a question-level interval of one run does not."""
+    k = len(values)
+    if k == 0:
+        raise ValueError("no seeds")
+    mean = float(sum(values) / k)
+    if k < 2:
+        return mean, None
+    sem = float(_scipy_stats.sem(values))
+    if sem == 0.0:
+        return mean, (mean, mean)
+    lo, hi = _scipy_stats.t.interval(level, k - 1, loc=mean, scale=sem)
+    return mean, (float(lo), float(hi))
+
+
+def seed_paired(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> dict[str, Any]:
+    """Seed-paired comparison of two systems trained with the same seeds (``a[i]``, ``b[i]``: seed
+    i's results): mean difference b - a, its t interval over seeds and the paired t-test's
+    two-sided p (scipy's ``ttest_rel``; None with fewer than two seeds or no spread)."""
+    if len(a) != len(b):
+        raise ValueError(f"seed-paired comparison needs the same seeds: {len(a)} vs {len(b)} results")
+    diffs = [y - x for x, y in zip(a, b)]
+    mean, ci = seed_interval(diffs, level)
+    p = None
+    if len(diffs) >= 2 and ci is not None and ci[0] != ci[1]:
+        p = float(_scipy_stats.ttest_rel(b, a).pvalue)
+    return {"seeds": len(diffs), "difference": mean, "difference_ci": None if ci is None else list(ci), "p_value": p,
+            "per_seed": diffs}

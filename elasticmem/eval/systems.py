@@ -8,7 +8,9 @@ reads the same prompt, retrieves from the same bank and generates with the same 
 - ``text_rag``: ``injection=text``, the same top-Z chunks as plain text;
 - ``full_context``: ``injection=text, retrieval=recent``, the latest history that fits.
 
-A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``.
+A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``; MemGen
+(``memgen``, ``elasticmem.baselines.memgen``) shares the prompt, retrieval and bank but
+answers with its own weaver and trigger.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from elasticmem.config import Config, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.eval.system import MemorySystem, Prediction, Retrieved, fingerprint
 from elasticmem.utils.common import sha256_file
-from elasticmem.utils.configuration import from_dict, load, to_dict
+from elasticmem.utils.configuration import ConfigError, from_dict, load, to_dict
 
 SYSTEM_MEMORY: dict[str, list[str]] = {
     "elasticmem": [],
     "no_memory": ["top_z=0"],
     "text_rag": ["injection=text"],
     "full_context": ["injection=text", "retrieval=recent", "top_z=1000000"],
+    "memgen": [],
 }
 """Memory settings (relative to ``memory.``) that make each ElasticMem-path system."""
 
@@ -61,11 +64,14 @@ def memory_config(cfg: Config, overrides: Sequence[str]) -> MemoryConfig:
 
 CHECKPOINT_WEIGHTS = ("adapter/adapter_model.safetensors", "budget_policy.safetensors", "projector.safetensors")
 """The files of a saved model (``ElasticMem.save_pretrained``) that hold trained weights."""
+MEMGEN_WEIGHTS = ("adapter/adapter_model.safetensors", "memgen.safetensors")
+"""The same for a saved MemGen model (``MemGen.save_pretrained``)."""
 
 
 def checkpoint_fingerprint(path: str | Path) -> str:
     """Hash of a checkpoint's weight files' contents: a model retrained into the same folder differs."""
-    return fingerprint({f: sha256_file(Path(path) / f) for f in CHECKPOINT_WEIGHTS})
+    files = MEMGEN_WEIGHTS if (Path(path) / MEMGEN_WEIGHTS[1]).is_file() else CHECKPOINT_WEIGHTS
+    return fingerprint({f: sha256_file(Path(path) / f) for f in files})
 
 
 def bank_fingerprint(bank) -> str:
@@ -105,6 +111,7 @@ class ElasticMemSystem:
         return {
             "system": self.name,
             "memory": to_dict(model.cfg),
+            **({"memgen": to_dict(model.memgen)} if hasattr(model, "memgen") else {}),
             "backbone": {"name_or_path": model.backbone_name, "fingerprint": model.fingerprint,
                          "dtype": str(next(model.lm.parameters()).dtype).removeprefix("torch.")},
             "bank": bank_fingerprint(model.bank),
@@ -121,14 +128,10 @@ class ElasticMemSystem:
         n = len(examples)
         latency = {k: v / n for k, v in traj.timings.items()}
         chunks = model.bank.chunks()
-        latent = model.cfg.injection == "latent"
         out = []
         for i, ex in enumerate(examples):
-            retrieved = [
-                Retrieved(rank=j, ref=f"row:{r}", score=float(traj.scores[i, j]), text=chunks[r]["text"],
-                          budget=int(traj.budgets[i, j]) if latent else None, tokens=int(traj.soft_counts[i, j]))
-                for j, r in enumerate(traj.rows[i].tolist()) if r >= 0
-            ]
+            retrieved = [Retrieved(rank=j, ref=f"row:{r}", score=s, text=chunks[r]["text"], budget=b, tokens=c)
+                         for j, (r, s, b, c) in enumerate(traj.memories(i))]
             generated = int(traj.answer_mask[i].sum())
             memory = int(traj.memory_tokens[i])
             out.append(Prediction(
@@ -176,7 +179,19 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
         bank = make_bank()
     else:
         bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
-    model = ElasticMem(backbone, memory_config(cfg, overrides), bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
+    mem = memory_config(cfg, overrides)
+    key_index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    if cfg.eval.system == "memgen":
+        from elasticmem.baselines.memgen import MemGen, saved_memgen_config
+
+        mg = saved_memgen_config(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.memgen
+        if mg is None:
+            raise ConfigError(f"eval.system=memgen but {cfg.eval.checkpoint} holds an ElasticMem model")
+        model = MemGen(backbone, mem, mg, bank, key_index)
+    else:
+        if cfg.eval.checkpoint and (Path(cfg.eval.checkpoint) / MEMGEN_WEIGHTS[1]).is_file():
+            raise ConfigError(f"{cfg.eval.checkpoint} holds a MemGen model: evaluate it with eval.system=memgen")
+        model = ElasticMem(backbone, mem, bank, key_index)
     checkpoint = None
     if cfg.eval.checkpoint:
         checkpoint = checkpoint_fingerprint(cfg.eval.checkpoint)

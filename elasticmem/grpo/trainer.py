@@ -328,18 +328,25 @@ def train(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model, device=acc.device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
+    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    if t.system == "memgen":
+        from elasticmem.baselines.memgen import MemGen
+
+        model = MemGen(backbone, mem_cfg, cfg.memgen, bank, index)
+    else:
+        model = ElasticMem(backbone, mem_cfg, bank, index)
     examples = load_split(cfg.data.dir, t.split)
     # everything that would otherwise fail at some batch hours in (the evaluation split too)
     for split, exs in [(t.split, examples)] + ([(t.eval_split, _eval_examples(cfg))] if t.eval_split else []):
         validate_examples(exs, bank, reward=t.reward, chunking=cfg.chunking, top_z=mem_cfg.top_z,
                           split_name=f"{cfg.data.dir}/{split}.jsonl")
     reward_fn = get_reward(t.reward)
-    if t.loss.retrieval_weight > 0 and mem_cfg.retrieval not in ("control", "query_only"):
+    if t.loss.retrieval_weight > 0 and (mem_cfg.retrieval not in ("control", "query_only") or t.system != "elasticmem"):
         raise ConfigError(f"train.loss.retrieval_weight > 0 trains the reasoner's query state: it needs "
                           f"memory.retrieval control or query_only, not {mem_cfg.retrieval!r}")
     # bank rows holding each query's evidence (datasets that record it): logged recall, auxiliary loss
-    evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 else {}
+    # (MemGen's Z slots are its trigger's decisions, not retrieved memories: nothing to compare)
+    evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 and t.system != "memgen" else {}
     if t.loss.retrieval_weight > 0 and not any(evidence.values()):
         raise ConfigError(f"train.loss.retrieval_weight > 0 needs examples with evidence; "
                           f"{cfg.data.dir}/{t.split}.jsonl records none (extra.evidence)")
@@ -570,8 +577,18 @@ def check_init(path: str | Path, core) -> None:
     if meta["backbone"]["fingerprint"] != core.fingerprint:
         raise ConfigError(f"train.init_from={path} was trained on {meta['backbone']['name_or_path']!r}, "
                           f"not on this backbone ({core.backbone_name!r})")
+    system = "memgen" if hasattr(core, "memgen") else "elasticmem"
+    if meta.get("system", "elasticmem") != system:
+        raise ConfigError(f"train.init_from={path} holds a {meta.get('system', 'elasticmem')} model, this run trains "
+                          f"{system} (train.system)")
+    if system == "memgen":
+        mine_mg = dataclasses.asdict(core.memgen)
+        for key in ("prompt_latents", "inference_latents", "trigger_hidden"):
+            if meta["memgen"][key] != mine_mg[key]:
+                raise ConfigError(f"train.init_from={path} has memgen.{key}={meta['memgen'][key]}, this run "
+                                  f"memgen.{key}={mine_mg[key]}")
     mine = dataclasses.asdict(core.cfg)
-    for part in ("lora", "policy", "projector"):
+    for part in (("lora",) if system == "memgen" else ("lora", "policy", "projector")):
         if meta["memory"][part] != mine[part]:
             raise ConfigError(f"train.init_from={path} has memory.{part}={meta['memory'][part]}, "
                               f"this run memory.{part}={mine[part]}")
@@ -700,7 +717,7 @@ def _step_metrics(step, traj, rewards, m, acc, core, grad_norm, scheduler, state
     per_traj = torch.cat([torch.stack([rewards.float(), traj.memory_tokens.float(), traj.num_tokens.float()], 1),
                           ev], 1).to(dev)
     allv = acc.gather(per_traj).cpu() if acc.num_processes > 1 else per_traj.cpu()
-    bmax = core.cfg.policy.max_budget
+    bmax = core.budget_levels
     hist = torch.bincount(traj.budgets[traj.mask].clamp(0, bmax), minlength=bmax + 1).to(dev)
     if acc.num_processes > 1:
         hist = acc.reduce(hist, reduction="sum")

@@ -107,6 +107,13 @@ class Trajectories:
     def __len__(self) -> int:
         return len(self.example_ids)
 
+    def memories(self, i: int) -> list[tuple[int, float, int | None, int]]:
+        """Trajectory i's memories as (bank row, score, budget, tokens added), rank order; budget
+        None for text injection."""
+        latent = self.budget_actions
+        return [(r, float(self.scores[i, j]), int(self.budgets[i, j]) if latent else None, int(self.soft_counts[i, j]))
+                for j, r in enumerate(self.rows[i].tolist()) if r >= 0]
+
     def select(self, idx: Sequence[int] | torch.Tensor) -> "Trajectories":
         """The trajectories at ``idx`` (every per-trajectory field sliced, the rest kept)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
@@ -119,14 +126,15 @@ class Trajectories:
                 out[f.name] = [v[i] for i in idx_t.tolist()]
             else:
                 out[f.name] = v
-        return Trajectories(**out)
+        return type(self)(**out)
 
     @staticmethod
     def concat(parts: Sequence["Trajectories"]) -> "Trajectories":
         """Join trajectory batches (same Z); answers are right-padded to the longest."""
         T = max(p.answer_ids.shape[1] for p in parts)
         out = {}
-        for f in fields(Trajectories):
+        cls = type(parts[0])
+        for f in fields(cls):
             vals = [getattr(p, f.name) for p in parts]
             if isinstance(vals[0], torch.Tensor) and vals[0].dim() > 0:
                 if f.name in ("answer_ids", "answer_mask", "logp_answer"):
@@ -138,7 +146,7 @@ class Trajectories:
                 out[f.name] = vals[0]
         offsets = torch.tensor([0] + [int(p.query_index.max()) + 1 for p in parts[:-1]]).cumsum(0)
         out["query_index"] = torch.cat([p.query_index + o for p, o in zip(parts, offsets)])
-        return Trajectories(**out)
+        return cls(**out)
 
 
 @dataclass
@@ -242,6 +250,11 @@ class ElasticMem(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.lm.parameters()).device
+
+    @property
+    def budget_levels(self) -> int:
+        """The largest budget one decision can give (the histogram's width in the training logs)."""
+        return self.cfg.policy.max_budget
 
     @property
     def base(self) -> nn.Module:

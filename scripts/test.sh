@@ -7,8 +7,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # the agent extra: the ALFWorld engine tests (tests/integration/test_alfworld_engine.py);
-# serve: the HTTP server tests (tests/integration/test_serve.py)
-EXTRAS=${EXTRAS:-dev,agent,serve}
+# serve: the HTTP server tests (tests/integration/test_serve.py); baselines: Mem0 (test_textmem.py)
+EXTRAS=${EXTRAS:-dev,agent,serve,baselines}
 source scripts/setup.sh
 if [ "${ELASTICMEM_SKIP_FETCH:-0}" != "1" ]; then
   python -m elasticmem.backbone fetch smollm2

@@ -156,6 +156,10 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
         from elasticmem.baselines.amem import AMemSystem
 
         return AMemSystem.from_config(cfg.amem)
+    if cfg.eval.system in ("mem0", "langmem"):
+        from elasticmem.baselines.textmem import LangMemSystem, Mem0System
+
+        return (Mem0System if cfg.eval.system == "mem0" else LangMemSystem)(cfg.textmem, cfg.amem, cfg.model)
     from elasticmem.bank import Bank, build_index
     from elasticmem.model.elasticmem import ElasticMem
 

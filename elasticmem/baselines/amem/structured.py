@@ -522,3 +522,34 @@ __all__: Sequence[str] = (
     "normalise",
     "parse_json_object",
 )
+
+
+def from_json_schema(schema: dict[str, Any], max_len: int = 200, max_items: int = 8) -> Node:
+    """The node of a JSON Schema written in this module's subset: objects (every property
+    required, in their order), strings (``maxLength``, default ``max_len``), string enums,
+    booleans and arrays (``maxItems``, default ``max_items``). Raises ``ValueError`` naming what
+    falls outside (numbers, ``anyOf``, free-form objects...), so a server can refuse the request
+    instead of constraining to something else."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"a schema must be an object, got {schema!r}")
+    if "enum" in schema:
+        values = schema["enum"]
+        if not values or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"only enums of strings are supported, got {values!r}")
+        return Enum(tuple(values))
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties")
+        if not props:
+            raise ValueError("an object schema needs 'properties' (free-form objects are not supported)")
+        return Obj(tuple((k, from_json_schema(v, max_len, max_items)) for k, v in props.items()))
+    if kind == "array":
+        if "items" not in schema:
+            raise ValueError("an array schema needs 'items'")
+        return Arr(from_json_schema(schema["items"], max_len, max_items), int(schema.get("minItems", 0)),
+                   int(schema.get("maxItems", max_items)))
+    if kind == "string":
+        return Str(max(1, int(schema.get("minLength", 1))), int(schema.get("maxLength", max_len)))
+    if kind == "boolean":
+        return Bool()
+    raise ValueError(f"type {kind!r} is not supported (objects, arrays, strings, string enums, booleans)")

@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             out = out_root / name if cfg.eval.variants else out_root
             set_seed(vcfg.seed)  # untrained parts (policy, projector) start the same on every process and run
             stream = vcfg.eval.stream != "off"
-            if stream and (vcfg.eval.system == "amem" or games is not None):
+            if stream and (vcfg.eval.system in ("amem", "mem0", "langmem") or games is not None):
                 raise ConfigError("eval.stream builds the bank of an ElasticMem-path system (elasticmem, text_rag, "
-                                  "no_memory, full_context) from the questions' histories; not for "
-                                  f"{'ALFWorld games' if games is not None else 'A-Mem'}: set eval.stream=off")
+                                  "no_memory, full_context, memgen) from the questions' histories; not for "
+                                  f"{'ALFWorld games' if games is not None else vcfg.eval.system}: set eval.stream=off")
             system = build_system(vcfg, vo, device=state.device,
                                   stream_dir=stream_bank_dir(out, state.process_index) if stream else None)
             model = getattr(system, "model", None)  # A-Mem keeps its own memory: no bank to check

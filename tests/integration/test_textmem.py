@@ -5,8 +5,8 @@
 - a scripted endpoint (a rule-based stand-in for the LLM, served by the real endpoint code over
   HTTP): what the library's pipeline stores is what its search returns into the answer prompt,
   and every LLM call's tokens are counted as construction or answering;
-- SmolLM2 behind ``python -m elasticmem.baselines.openai_server`` (a real uvicorn process) on the
-  first two sessions of a real LoCoMo conversation: MC answers, construction tokens and failures.
+- SmolLM2 behind the endpoint (real uvicorn, real HTTP) on the first two sessions of a real LoCoMo
+  conversation: MC answers, construction tokens and failures; and the endpoint's command line.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ import dataclasses
 import importlib.util
 import json
 import math
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from conftest import SHARED_DATA, requires_smollm2
+from test_train import tiny_setup  # noqa: F401  (fixture)
 
 from elasticmem.baselines.amem.llm import Completion
 from elasticmem.config import TextMemoryConfig
@@ -148,29 +145,26 @@ def test_the_endpoint_constrains_json_schema_and_refuses_what_it_cannot(tmp_path
 @pytest.mark.skipif(not LOCOMO.is_file(), reason=f"real LoCoMo file not found at {LOCOMO}")
 def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessions(smollm2_backbone, tmp_path):
     """conv-26's first two sessions (first turn of each) through Mem0 and LangMem with SmolLM2 as
-    their LLM, served by ``python -m elasticmem.baselines.openai_server``: each library's pipeline
+    their LLM, served by the endpoint (``elasticmem.baselines.openai_server``, uvicorn in a thread
+    of the test, the model loaded once for the session): each library's pipeline
     runs, its calls' tokens are counted as construction apart from answering, failures are
     counted, and the MC questions are answered with an option letter. What SmolLM2-135M makes of
     the libraries' prompts is printed, not asserted (docs/baselines.md)."""
+    from elasticmem.baselines.openai_server import ServerThread, load_endpoint
     from elasticmem.baselines.textmem import LangMemSystem, Mem0System
     from elasticmem.data.locomo import mc10_examples, read_locomo
     from elasticmem.data.sources import SkipLog
     from elasticmem.grpo.rewards import parse_option_letter
 
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "elasticmem.baselines.openai_server", "--model", "smollm2",
-                             "--port", str(port), "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parents[2])
+    server = ServerThread(load_endpoint("smollm2", backbone=smollm2_backbone))  # real uvicorn, real HTTP
     try:
-        _wait_healthy(port, proc, tmp_path / "server.log")
         convs = read_locomo(LOCOMO, SkipLog())
         mc = [ex for ex in mc10_examples(convs, 42, {}) if ex.group == "conv-26"][:2]
         mc = [dataclasses.replace(ex, history=[s[:1] for s in ex.history[:2]]) for ex in mc]
         for cls in (Mem0System, LangMemSystem):
             # a short budget keeps the test short: an answer it cuts off is counted as unfinished
-            system = cls(TextMemoryConfig(api_base=f"http://127.0.0.1:{port}/v1", store_dir=str(tmp_path / cls.name),
-                                          max_new_tokens=160), backbone=smollm2_backbone)
+            system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / cls.name), max_new_tokens=96),
+                         backbone=smollm2_backbone)
             preds = system.predict(mc)
             assert [p.id for p in preds] == [ex.id for ex in mc] and all(p.generated_tokens > 0 for p in preds)
             letters = [parse_option_letter(p.text, 10) for p in preds]  # None = no option named: scored wrong
@@ -183,28 +177,22 @@ def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessio
             print(f"\n{cls.name} on SmolLM2:", json.dumps(stats["construction"]), "stored:",
                   system._stored("conv-26")[:4], "answers:", [p.text for p in preds], letters)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        server.close()
 
 
-def _free_port() -> int:
-    from elasticmem.baselines.openai_server import free_port
+def test_the_endpoint_command_line_documents_itself(capsys):
+    from elasticmem.baselines.openai_server import main
 
-    return free_port()
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "OpenAI-compatible" in capsys.readouterr().out
 
 
-def _wait_healthy(port: int, proc, log: Path, timeout: float = 180) -> None:
-    from elasticmem.baselines.amem.llm import _httpx
+def test_streaming_is_refused_for_library_memories(tiny_setup, tmp_path, capsys):  # noqa: F811
+    from conftest import ROOT, run_cli_here
 
-    hx, deadline = _httpx(), time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the endpoint exited: {log.read_text()[-3000:]}")
-        try:
-            if hx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except Exception:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the endpoint did not answer in {timeout} s: {log.read_text()[-3000:]}")
+    code, _, err = run_cli_here("evaluate.py", ["--config", str(ROOT / "configs/tiny.yaml"),
+                                                f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank",
+                                                f"eval.output_dir={tmp_path / 'ev'}", "eval.system=langmem",
+                                                "eval.stream=session", "eval.limit=2"], capsys)
+    assert code == 2 and "not for langmem" in err

@@ -6,6 +6,8 @@
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 evaluate.py --config ...   # 2 processes
     python evaluate.py --config configs/alfworld_cpu.yaml     # ALFWorld episodes (eval.task=alfworld)
     python evaluate.py --config configs/locomo_qa.yaml eval.stream=session   # memory grows session by session
+    python evaluate.py --config configs/tiny.yaml system=memgen checkpoint=runs/train/memgen/final   # MemGen
+    python evaluate.py --config configs/quickstart.yaml system=mem0 --limit 20   # Mem0 (or langmem), offline
     python evaluate.py --help                                  # every config key, documented
 
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.

@@ -317,10 +317,10 @@ class MemGenConfig:
 
 @dataclass
 class TextMemoryConfig:
-    """Text-memory libraries as baselines (eval.system=mem0 or langmem): the library builds each group's
-    memory from its history session by session with its own LLM calls and answers each question
-    with its own search; the retrieved memories then go into A-Mem's answer prompt (amem.*), so
-    the text baselines share one answering prompt. Needs the ``baselines`` and ``serve`` extras."""
+    """Text-memory libraries as baselines (eval.system=mem0 or langmem): the library builds each
+    group's memory from its history session by session with its own LLM calls and answers each
+    question with its own search; the retrieved memories then go into A-Mem's answer prompt
+    (amem.*), so the text baselines share one answering prompt. Needs the ``baselines`` extra."""
 
     api_base: str = ""
     """OpenAI-compatible endpoint (up to /v1) the library's LLM calls and the answers go to; '' =

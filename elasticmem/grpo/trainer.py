@@ -342,8 +342,12 @@ def train(cfg: Config) -> dict[str, Any]:
                           split_name=f"{cfg.data.dir}/{split}.jsonl")
     reward_fn = get_reward(t.reward)
     if t.loss.retrieval_weight > 0 and (mem_cfg.retrieval not in ("control", "query_only") or t.system != "elasticmem"):
-        raise ConfigError(f"train.loss.retrieval_weight > 0 trains the reasoner's query state: it needs "
-                          f"memory.retrieval control or query_only, not {mem_cfg.retrieval!r}")
+        raise ConfigError(f"train.loss.retrieval_weight > 0 trains ElasticMem's query state: it needs "
+                          f"train.system=elasticmem and memory.retrieval control or query_only, not "
+                          f"{t.system} with {mem_cfg.retrieval!r}")
+    if t.system != "elasticmem" and (t.replay_rollouts or t.loss.kl_beta > 0):
+        raise ConfigError("train.replay_rollouts and train.loss.kl_beta (a KL to the adapter-disabled reasoner) are "
+                          "ElasticMem's; MemGen's reasoner is frozen already and its rollouts are not replayable")
     # bank rows holding each query's evidence (datasets that record it): logged recall, auxiliary loss
     # (MemGen's Z slots are its trigger's decisions, not retrieved memories: nothing to compare)
     evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 and t.system != "memgen" else {}

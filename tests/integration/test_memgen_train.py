@@ -77,6 +77,6 @@ def test_memgen_learns_and_its_checkpoint_evaluates_in_the_harness(tiny_setup, t
                                                 "eval.limit=2"], capsys)
     assert code != 0 and "eval.system=memgen" in err
     # ElasticMem's own training options are refused for MemGen, before anything runs
-    p = subprocess.run([sys.executable, *args, f"train.output_dir={tmp_path / 'kl'}", *MEMGEN, "train.loss.kl_beta=0.1"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, *args, f"train.output_dir={tmp_path / 'kl'}", *MEMGEN,
+                        "train.loss.kl_beta=0.1"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "kl_beta" in p.stderr and not (tmp_path / "kl" / "checkpoints").exists()

@@ -20,8 +20,9 @@ subset below are not offered.
 A-Mem's matcher (``elasticmem.baselines.amem.structured``: objects with every key, strings,
 string enums, booleans, arrays), so the answer parses by construction; a schema outside that
 subset is refused with HTTP 400 naming ``response_format`` (clients then fall back to another
-mode). ``json_object`` (JSON mode) generates freely: whether the answer parsed as a JSON object
-is counted in ``/v1/usage``, never repaired. The model runs one request at a time (one lock):
+mode); an answer the token budget cut off inside the JSON is counted (``json_schema_unfinished``).
+``json_object`` (JSON mode) generates freely: whether the answer parsed as a JSON object is
+counted in ``/v1/usage``, never repaired. The model runs one request at a time (one lock):
 this is a harness for baselines, not a production server (``elasticmem.serve`` batches).
 Needs the ``serve`` extra (FastAPI, uvicorn).
 """
@@ -97,6 +98,8 @@ class ChatEndpoint:
         out = self._generate(req, float(body.get("temperature") or 0.0), int(body.get("seed") or 0))
         if kind == "json_object" and not _is_json_object(out.text):
             self.usage["json_object_unparsed"] += 1
+        if schema is not None and not out.finished:  # the budget ran out inside the JSON: it does not parse
+            self.usage["json_schema_unfinished"] += 1
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.name,

@@ -171,7 +171,7 @@ class LibraryMemory:
             after = self.endpoint.usage()
             cost = {k: float(after.get(k, 0)) - float(before.get(k, 0))
                     for k in ("calls", "prompt_tokens", "completion_tokens", "json_object_unparsed",
-                              "refused_too_long", "tool_arguments_unfinished")}
+                              "json_schema_unfinished", "refused_too_long", "tool_arguments_unfinished")}
             cost.update(failed_adds=failed, sessions=len(ex.history), seconds=time.perf_counter() - t0,
                         memories=len(self._stored(ex.group)))
             self.built[ex.group] = cost

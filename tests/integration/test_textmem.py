@@ -170,7 +170,8 @@ def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessio
             letters = [parse_option_letter(p.text, 10) for p in preds]  # None = no option named: scored wrong
             build = preds[0].extra[cls.name]["build"]
             assert build["sessions"] == 2 and build["calls"] >= 2 and build["prompt_tokens"] > 500, build
-            for key in ("failed_adds", "json_object_unparsed", "tool_arguments_unfinished", "memories"):
+            for key in ("failed_adds", "json_object_unparsed", "json_schema_unfinished", "tool_arguments_unfinished",
+                        "memories"):
                 assert key in build
             stats = system.stats()
             assert stats["answering"]["by_kind"]["answer"]["calls"] == 2
@@ -186,6 +187,30 @@ def test_the_endpoint_command_line_documents_itself(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "OpenAI-compatible" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("library", ["mem0", "langmem"])
+def test_evaluate_runs_the_library_on_an_endpoint_it_starts_itself(tiny_setup, tmp_path, capsys, library):  # noqa: F811
+    """evaluate.py with no textmem.api_base serves the run's own model (here the tiny random one,
+    which cannot write the JSON: its cut-off answers are counted, nothing is stored, questions are
+    still answered and scored)."""
+    from conftest import ROOT, run_cli_here
+
+    out = tmp_path / "ev"
+    code, _, err = run_cli_here("evaluate.py", ["--config", str(ROOT / "configs/tiny.yaml"),
+                                                f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank",
+                                                f"eval.output_dir={out}", f"eval.system={library}", "eval.limit=3",
+                                                "textmem.max_new_tokens=16"], capsys)
+    assert code == 0, err[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["num_examples"] == 3 and res["avg_memory_tokens"] == 0
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    build = rows[0]["extra"][library]["build"]
+    assert build["calls"] >= 1 and build["memories"] == 0
+    assert build["json_schema_unfinished"] + build["tool_arguments_unfinished"] >= 1  # counted, not hidden
+    identity = json.loads((out / "run_identity.json").read_text())["identity"]
+    assert identity["system"] == library and identity["library"].split()[0] in ("mem0ai", "langmem")
+    assert identity["llm_fingerprint"]  # the served model's weights identify the run
 
 
 def test_streaming_is_refused_for_library_memories(tiny_setup, tmp_path, capsys):  # noqa: F811

@@ -229,8 +229,7 @@ class MemGen(ElasticMem):
         hist = [self._embed(ids) for ids in self._history_ids(rows)]
         ctx = [self._embed(p + s) for p, s in texts]
         t1 = time.perf_counter()
-        with self._decoder(disable_adapter=False):
-            lat_p = self._weave([torch.cat([a, c]) for a, c in zip(hist, ctx)], "prompt")
+        lat_p = self._weave([torch.cat([a, c]) for a, c in zip(hist, ctx)], "prompt")  # the adapter on: the weaver
         t2 = time.perf_counter()
         N, rep = len(batch) * G, lambda xs: [x for x in xs for _ in range(G)]
         hist, seq = rep(hist), [[c, lp.to(c.dtype)] for c, lp in zip(rep(ctx), rep(list(lat_p)))]
@@ -330,8 +329,7 @@ class MemGen(ElasticMem):
             if invoke.numel() == 0:
                 continue
             inserted[invoke] += 1
-            with self._decoder(disable_adapter=False):
-                lat = self._weave([torch.cat([hist[i]] + seq[i]) for i in invoke.tolist()], "inference")
+            lat = self._weave([torch.cat([hist[i]] + seq[i]) for i in invoke.tolist()], "inference")
             block = H.new_zeros(N, K, H.shape[-1]).to(e.dtype)
             block[invoke] = lat.to(e.dtype)
             on = torch.zeros(N, K, dtype=mask.dtype, device=device)

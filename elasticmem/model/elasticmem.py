@@ -111,8 +111,8 @@ class Trajectories:
         """Trajectory i's memories as (bank row, score, budget, tokens added), rank order; budget
         None for text injection."""
         latent = self.budget_actions
-        return [(r, float(self.scores[i, j]), int(self.budgets[i, j]) if latent else None, int(self.soft_counts[i, j]))
-                for j, r in enumerate(self.rows[i].tolist()) if r >= 0]
+        return [(r, float(self.scores[i, j]), int(self.budgets[i, j]) if latent else None,
+                 int(self.soft_counts[i, j])) for j, r in enumerate(self.rows[i].tolist()) if r >= 0]
 
     def select(self, idx: Sequence[int] | torch.Tensor) -> "Trajectories":
         """The trajectories at ``idx`` (every per-trajectory field sliced, the rest kept)."""
@@ -884,16 +884,22 @@ class ElasticMem(nn.Module):
         model.load_weights(path)
         return model
 
-    def load_weights(self, path: str | Path) -> None:
-        """Load the trained parts (adapter, policy, projector) saved by ``save_pretrained`` into this model."""
+    def _load_adapter(self, path: Path) -> None:
+        """The LoRA adapter saved by ``save_pretrained`` in ``path`` (unknown weights refused)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        path, dev = Path(path), str(self.device)
-        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=dev)
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
         result = set_peft_model_state_dict(self.lm, adapter)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"unexpected adapter weights in {path}: {result.unexpected_keys[:3]}")
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load the trained parts (adapter, policy, projector) saved by ``save_pretrained`` into this model."""
+        from safetensors.torch import load_file
+
+        path, dev = Path(path), str(self.device)
+        self._load_adapter(path)
         self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
         self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
 

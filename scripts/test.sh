@@ -21,4 +21,11 @@ if python -c "import deepspeed" >/dev/null 2>&1; then
     "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
     >/dev/null 2>&1 || echo "[test] DeepSpeed's extension did not build here; test_deepspeed.py will try again" >&2
 fi
-python -m pytest -q -ra "$@"
+# Two pytest-xdist workers, one file each at a time (module fixtures such as test_serve.py's server and
+# test_slurm.py's cluster stay in one process); TEST_WORKERS=1 runs the suite in one process.
+WORKERS=${TEST_WORKERS:-2}
+if [ "$WORKERS" -gt 1 ]; then
+  python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@"
+else
+  python -m pytest -q -ra "$@"
+fi

@@ -21,7 +21,11 @@ LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (scripts/test.sh runs 2 workers) the cores are shared out among the workers:
+# two 1-thread workers finish the suite sooner than one 2-thread process, because most tests are
+# small-model work that a second thread barely speeds up.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ from torch import nn
 
 from elasticmem.bank.index import KeyIndex
 from elasticmem.bank.store import Bank
-from elasticmem.config import MemGenConfig, MemoryConfig
+from elasticmem.config import ConfigError, MemGenConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.elasticmem import CONFIG_FILE, FORMAT_VERSION, ElasticMem, ScoreOutput, Trajectories
 
@@ -129,9 +129,9 @@ class MemGen(ElasticMem):
 
     def __init__(self, backbone, cfg: MemoryConfig, memgen: MemGenConfig, bank: Bank, index: KeyIndex | None = None):
         if cfg.retrieval in ("control", "query_only"):
-            raise ValueError(f"MemGen's reasoner is frozen, so its history is found without an adapter: "
-                             f"memory.retrieval={cfg.retrieval} would search with the weaver's adapter; use frozen, "
-                             f"semantic, mean, prompt, layer_mean or recent")
+            raise ConfigError(f"MemGen's reasoner is frozen, so its history is found without an adapter: "
+                              f"memory.retrieval={cfg.retrieval} would search with the weaver's adapter; set "
+                              f"memory.retrieval=frozen (or semantic, mean, prompt, layer_mean, recent)")
         super().__init__(backbone, cfg, bank, index)
         self.policy = self.projector = None  # ElasticMem's parts: not MemGen's
         self.memgen = memgen

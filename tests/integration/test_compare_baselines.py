@@ -1,0 +1,78 @@
+"""scripts/compare_baselines.sh on the tiny preset: data and bank once, ElasticMem (warm-up then GRPO)
+and MemGen trained at two seeds as separate processes, every system evaluated on the same test
+questions, then comparison.md and seeds.md; a rerun starts nothing and reports the same.
+
+    pytest tests/integration/test_compare_baselines.py -q       # ~1 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "compare_baselines.sh"
+SYSTEMS = ["elasticmem", "memgen", "text_rag", "no_memory"]
+OVERRIDES = ["data.synthetic.num_histories=40", "warmup.steps=2", "warmup.align_steps=0", "train.max_steps=30",
+             "train.save_every=0", "memgen.prompt_latents=2", "memgen.inference_latents=2", "memgen.trigger_hidden=16"]
+
+pytestmark = pytest.mark.slow
+
+
+def run(out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "CONFIG": "configs/tiny.yaml", "SYSTEMS": " ".join(SYSTEMS),
+           "SEEDS": "0 1", "JOBS": "2", "MEMGEN_STEPS": "3", "ELASTICMEM_VENV": sys.prefix}
+    return subprocess.run(["bash", str(SCRIPT), *OVERRIDES], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=540)
+
+
+def accuracy(run_dir: Path) -> tuple[float, int]:
+    """Recomputed from the predictions, not read from results.json."""
+    rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines() if line.strip()]
+    return sum(r["correct"] for r in rows) / len(rows), len(rows)
+
+
+def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
+    out = tmp_path / "compare"
+    p = run(out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    test_ids = [json.loads(line)["id"] for line in (out / "data" / "test.jsonl").read_text().splitlines()]
+
+    # each trained run is its own seed, from the one data folder and bank
+    for s in (0, 1):
+        em = yaml.safe_load((out / f"s{s}" / "elasticmem" / "config.yaml").read_text())
+        assert em["seed"] == s and em["train"]["init_from"] == str(out / f"s{s}" / "warmup" / "final")
+        assert em["data"]["dir"] == str(out / "data") and em["bank"]["dir"] == str(out / "bank")
+        mg = json.loads((out / f"s{s}" / "memgen" / "final" / "elasticmem_config.json").read_text())
+        assert mg["system"] == "memgen"
+        steps = [json.loads(line) for line in (out / f"s{s}" / "memgen" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in steps if "loss" in m] == [1, 2, 3]
+
+    # every system on the same test questions; the reports carry each run's own accuracy
+    seeds = json.loads((out / "seeds.json").read_text())
+    assert list(seeds["systems"]) == SYSTEMS and seeds["reference"] == "elasticmem"
+    for name in SYSTEMS:
+        runs = [f"{name}@{s}" for s in (0, 1)] if name in ("elasticmem", "memgen") else [name, name]
+        expected = []
+        for r in runs:
+            d = out / "eval" / r / r
+            ids = [json.loads(line)["id"] for line in (d / "predictions.jsonl").read_text().splitlines()]
+            assert sorted(ids) == sorted(test_ids)
+            expected.append(accuracy(d))
+        got = seeds["systems"][name]
+        assert got["seeds"] == 2 and got["n_per_seed"] == [n for _, n in expected]
+        assert got["per_seed"] == pytest.approx([a for a, _ in expected])
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert "elasticmem@0" in json.dumps(comparison) and (out / "comparison.md").is_file()
+
+    # a rerun finds every output and starts nothing
+    again = run(out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "start:" not in again.stderr
+    assert json.loads((out / "seeds.json").read_text()) == seeds

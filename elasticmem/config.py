@@ -506,7 +506,8 @@ class TrainConfig:
     system: Literal["elasticmem", "memgen"] = "elasticmem"
     """What GRPO trains: 'elasticmem' (LoRA reasoner, budget policy, projector) or 'memgen' (the
     MemGen baseline's weaver and trigger around the frozen reasoner, settings in ``memgen``;
-    the reward, data, rollouts and loss are the same)."""
+    the reward, data, rollouts and loss are the same). The reading warm-up reads it too: with
+    'memgen' its answer steps are the weaver's supervised stage."""
 
 
 @dataclass

@@ -11,14 +11,14 @@
 #
 # Environment: OUT (runs/compare), CONFIG (configs/quickstart.yaml), SEEDS ("0 1 2"), JOBS (2:
 # processes at once, each with one torch thread), SYSTEMS (the systems to evaluate: elasticmem,
-# memgen, text_rag, no_memory, mem0, langmem, amem), MEMGEN_STEPS (28) and MEMGEN_BATCH (2).
+# memgen, text_rag, no_memory, mem0, langmem, amem), MEMGEN_SFT (1), MEMGEN_STEPS (28), MEMGEN_BATCH (2).
 # Training budget: ElasticMem trains as the preset does (warm-up 24 steps x 8 teacher-forced
-# questions, then 4 GRPO steps x 2 questions x G = 4): 28 optimizer steps. MemGen gets the same 28
-# optimizer steps of its native objective, GRPO steps of 2 questions x G = 4 (MEMGEN_BATCH=8 gives it
-# the same 200 questions as ElasticMem, ~4x the time: 156 s a step on one SmolLM2 CPU thread).
-# MemGen's reasoner is frozen, so it retrieves with the frozen model's query state (memory.retrieval=
-# frozen) and has no retrieval loss; its learning rate (MEMGEN_LR, 1e-3) is the warm-up's, where
-# ElasticMem's adapter and projector learn from scratch (the preset's GRPO lr 1e-4 fine-tunes them).
+# questions, then 4 GRPO steps x 2 questions x G = 4): 28 optimizer steps. MemGen (MEMGEN_SFT=1)
+# gets the same supervision and steps with its native objectives: the same warm-up steps as its
+# weaver's SFT (train.system=memgen; no projector-only alignment steps, MemGen has no projector),
+# then the same GRPO steps from it. MEMGEN_SFT=0: MemGen from scratch with GRPO alone, MEMGEN_STEPS
+# steps of MEMGEN_BATCH questions x G = 4 at MEMGEN_LR (1e-3). MemGen's reasoner is frozen, so it
+# retrieves with the frozen model's query state (memory.retrieval=frozen) and has no retrieval loss.
 # Mem0 and LangMem: TEXTMEM_TOKENS (256) new tokens per library call (cut-offs are counted).
 # Every step skips what its output folder already holds, so a rerun resumes; logs in $OUT/logs.
 set -euo pipefail
@@ -30,7 +30,8 @@ JOBS=${JOBS:-2}
 SYSTEMS=${SYSTEMS:-elasticmem memgen text_rag no_memory mem0 langmem amem}
 MEMGEN_STEPS=${MEMGEN_STEPS:-28}
 MEMGEN_BATCH=${MEMGEN_BATCH:-2}
-MEMGEN=(memory.retrieval=frozen train.loss.retrieval_weight=0 train.lr=${MEMGEN_LR:-1e-3})
+MEMGEN_SFT=${MEMGEN_SFT:-1}
+MEMGEN=(memory.retrieval=frozen train.loss.retrieval_weight=0 train.system=memgen)
 TEXTMEM_TOKENS=${TEXTMEM_TOKENS:-256}
 export OMP_NUM_THREADS=1
 . "${ELASTICMEM_VENV:-.venv}/bin/activate"
@@ -69,10 +70,15 @@ fi
 >$OUT/logs/warmup_s$s.log 2>&1 && python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s \
 train.init_from=$d/warmup/final train.output_dir=$d/elasticmem >$OUT/logs/elasticmem_s$s.log 2>&1"
     fi
-    if has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ]; then
-      echo "python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s train.system=memgen ${MEMGEN[*]} train.init_from=null \
-train.max_steps=$MEMGEN_STEPS train.batch_size=$MEMGEN_BATCH train.save_every=5 train.output_dir=$d/memgen \
->$OUT/logs/memgen_s$s.log 2>&1"
+    if has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ] && [ "$MEMGEN_SFT" = 1 ]; then
+      echo "python -m elasticmem.warmup.reading --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} \
+warmup.align_steps=0 warmup.retrieval_weight=0 warmup.output_dir=$d/memgen_sft >$OUT/logs/memgen_sft_s$s.log 2>&1 \
+&& python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} train.init_from=$d/memgen_sft/final \
+train.output_dir=$d/memgen >$OUT/logs/memgen_s$s.log 2>&1"
+    elif has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ]; then
+      echo "python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} train.init_from=null \
+train.lr=${MEMGEN_LR:-1e-3} train.max_steps=$MEMGEN_STEPS train.batch_size=$MEMGEN_BATCH train.save_every=5 \
+train.output_dir=$d/memgen >$OUT/logs/memgen_s$s.log 2>&1"
     fi
   done
 } | pool

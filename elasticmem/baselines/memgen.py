@@ -207,6 +207,67 @@ class MemGen(ElasticMem):
             raise ValueError("MemGen has no budgets to force and no retrieved memories to replace")
         return self._memgen_rollout(batch, 1, 1.0, greedy=True)
 
+    @torch.no_grad()
+    def teacher_forced(self, batch: Sequence[Example], answers: Sequence[Sequence[int]],
+                       include_rows: Sequence[set[int]] | None = None, budgets: str = "policy",
+                       generator: torch.Generator | None = None) -> MemGenTrajectories:
+        """One trajectory per example whose answer is a given target: the weaver's supervised stage
+        (MemGen's weaver SFT; ``python -m elasticmem.warmup.reading train.system=memgen``).
+
+        The history is retrieved as in a rollout; ``include_rows`` puts each example's evidence
+        rows among it as ElasticMem's ``teacher_forced`` does. The weaver inserts K_p latents at
+        the prompt and, unless ``memgen.trigger=never``, K_i more after every delimiter of the
+        target (at most ``max_insertions``), as a rollout whose trigger invoked at each would: the
+        trigger is not trained here (its decisions are not offered: ``mask`` is False), GRPO
+        trains it. ``budgets`` and ``generator`` are ElasticMem's (MemGen has no budgets to draw).
+        ``score`` of the result gives the target's log-probs with gradients to the weaver.
+        """
+        if len(answers) != len(batch):
+            raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
+        mg = self.memgen
+        texts = [self.encode_texts(ex) for ex in batch]
+        N = len(batch)
+        if mg.history == "retrieved" and self.cfg.top_z > 0:
+            *_, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True, texts)
+            rows, scores, _ = self._include(h, rows, scores, mask, include_rows)
+        else:
+            rows = torch.zeros(N, 0, dtype=torch.long)
+            scores, h = torch.zeros(rows.shape), torch.zeros(N, self.bank.hidden_size)
+        T = max(1, max(len(a) for a in answers))
+        answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
+        answer_mask = torch.zeros(N, T, dtype=torch.bool)
+        delim, eos = set(self.delimiter_ids.tolist()), set(self.eos_ids)
+        points: list[list[int]] = []
+        for i, a in enumerate(answers):
+            answer_ids[i, : len(a)] = torch.as_tensor(list(a), dtype=torch.long)
+            answer_mask[i, : len(a)] = True
+            # a rollout offers a decision after a delimiter that is neither its last token nor an end
+            at = [t for t in range(len(a) - 1) if a[t] in delim and a[t] not in eos] if mg.trigger != "never" else []
+            points.append(at[: mg.max_insertions])
+        D = max([len(p) for p in points] + [0])
+        pos = torch.full((N, D), -1, dtype=torch.long)
+        inserted = torch.zeros(N, D, dtype=torch.long)
+        for i, p in enumerate(points):
+            pos[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+            inserted[i, : len(p)] = mg.inference_latents
+        memory_tokens = inserted.sum(-1) + mg.prompt_latents
+        hist_tokens = torch.tensor([len(ids) for ids in self._history_ids(rows)])
+        task = torch.tensor([len(p) + len(s) for p, s in texts])
+        return MemGenTrajectories(
+            example_ids=[ex.id for ex in batch], query_index=torch.arange(N),
+            prompt_ids=[p for p, _ in texts], suffix_ids=[s for _, s in texts], groups=[ex.group for ex in batch],
+            control=torch.full((N,), -1, dtype=torch.long),
+            rows=torch.full((N, D), -1, dtype=torch.long), scores=torch.zeros(N, D),
+            mask=torch.zeros(N, D, dtype=torch.bool), budgets=inserted, soft_counts=inserted.clone(),
+            answer_ids=answer_ids, answer_mask=answer_mask,
+            answers=[self.tokenizer.decode(list(a), skip_special_tokens=True).strip() for a in answers],
+            logp_control=torch.zeros(N), logp_budget=torch.zeros(N, D), entropy_budget=torch.zeros(N, D),
+            logp_answer=torch.zeros(N, T), query_state=h.float().cpu(), answer_temperature=1.0,
+            control_temperature=1.0, greedy=False, num_tokens=task + memory_tokens + answer_mask.sum(-1),
+            memory_tokens=memory_tokens, budget_actions=False,
+            memory_rows=rows, memory_scores=scores.float(), decision_pos=pos, history_tokens=hist_tokens,
+        )
+
     def _decide(self, h: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decisions [n] (1 = invoke), their log-probs [n] and the distributions' entropies [n]."""
         n = h.shape[0]

@@ -13,6 +13,10 @@ is not trained here (GRPO trains it); an optional auxiliary retrieval loss
 first: token alignment (``warmup.align_steps``: each cached state is mapped to its own token's
 input embedding, no LM forward) and xRAG's reconstruction (``warmup.reconstruct_steps``).
 
+With ``train.system=memgen`` the answer steps are the MemGen baseline's weaver SFT (the weaver's
+latents placed as ``MemGen.teacher_forced`` places them, the weaver trained on the same target;
+no projector stages), so that both systems get the same supervision before GRPO.
+
     python -m elasticmem.warmup.reading --config configs/quickstart.yaml [key=value ...]
     python train.py --config configs/quickstart.yaml train.init_from=runs/warmup/quickstart/final
 
@@ -133,6 +137,10 @@ def warmup(cfg: Config) -> dict[str, Any]:
     if w.retrieval_weight > 0 and cfg.memory.retrieval not in ("control", "query_only"):
         raise ConfigError(f"warmup.retrieval_weight > 0 trains the reasoner's query state: it needs "
                           f"memory.retrieval control or query_only, not {cfg.memory.retrieval!r}")
+    memgen = cfg.train.system == "memgen"
+    if memgen and (w.align_steps or w.reconstruct_steps):
+        raise ConfigError("train.system=memgen: MemGen has no projector for warmup.align_steps / "
+                          "warmup.reconstruct_steps to train; set both to 0 (its warm-up is the weaver's SFT)")
     resume = _resumable(cfg, out)  # before anything is written: refuses to mix two runs
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
@@ -140,7 +148,13 @@ def warmup(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if cfg.train.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    model = ElasticMem(backbone, mem_cfg, bank, build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0))
+    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    if memgen:
+        from elasticmem.baselines.memgen import MemGen
+
+        model = MemGen(backbone, mem_cfg, cfg.memgen, bank, index)
+    else:
+        model = ElasticMem(backbone, mem_cfg, bank, index)
     if w.init_from:
         from elasticmem.grpo.trainer import check_init
 
@@ -269,7 +283,7 @@ def _resumable(cfg: Config, out: Path) -> Path | None:
     last = ckpt.latest_checkpoint(out / "checkpoints")
     if last is None or not (out / "config.yaml").is_file():
         return last
-    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory",
+    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory", "train.system",
             "train.loss.retrieval_temperature")  # the train.* keys the answer steps read
     changed = [k for k in config_changes(load(Config, out / "config.yaml"), cfg)
                if k not in WARMUP_MAY_CHANGE and (not k.startswith("train.") or k in kept)]

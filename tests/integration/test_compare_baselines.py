@@ -1,5 +1,5 @@
 """scripts/compare_baselines.sh on the tiny preset: data and bank once, ElasticMem (warm-up then GRPO)
-and MemGen trained at two seeds as separate processes, every system evaluated on the same test
+and MemGen (weaver SFT then GRPO) trained at two seeds as separate processes, every system evaluated on the same test
 questions, then comparison.md and seeds.md; a rerun starts nothing and reports the same.
 
     pytest tests/integration/test_compare_baselines.py -q       # ~1 min on 2 cores
@@ -25,9 +25,9 @@ OVERRIDES = ["data.synthetic.num_histories=40", "warmup.steps=2", "warmup.align_
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path) -> subprocess.CompletedProcess:
+def run(out: Path, **env_) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(out), "CONFIG": "configs/tiny.yaml", "SYSTEMS": " ".join(SYSTEMS),
-           "SEEDS": "0 1", "JOBS": "2", "MEMGEN_STEPS": "3", "ELASTICMEM_VENV": sys.prefix}
+           "SEEDS": "0 1", "JOBS": "2", "MEMGEN_STEPS": "3", "ELASTICMEM_VENV": sys.prefix, **env_}
     return subprocess.run(["bash", str(SCRIPT), *OVERRIDES], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=540)
 
@@ -49,10 +49,16 @@ def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
         em = yaml.safe_load((out / f"s{s}" / "elasticmem" / "config.yaml").read_text())
         assert em["seed"] == s and em["train"]["init_from"] == str(out / f"s{s}" / "warmup" / "final")
         assert em["data"]["dir"] == str(out / "data") and em["bank"]["dir"] == str(out / "bank")
+        # MemGen: the same warm-up steps as its weaver's SFT, then the same GRPO steps from it
+        sft = [json.loads(line) for line in (out / f"s{s}" / "memgen_sft" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["stage"] for m in sft] == ["answer", "answer"]
+        mg_cfg = yaml.safe_load((out / f"s{s}" / "memgen" / "config.yaml").read_text())
+        assert mg_cfg["seed"] == s and mg_cfg["train"]["init_from"] == str(out / f"s{s}" / "memgen_sft" / "final")
+        assert mg_cfg["train"]["system"] == "memgen" and mg_cfg["train"]["lr"] == em["train"]["lr"]
         mg = json.loads((out / f"s{s}" / "memgen" / "final" / "elasticmem_config.json").read_text())
         assert mg["system"] == "memgen"
         steps = [json.loads(line) for line in (out / f"s{s}" / "memgen" / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in steps if "loss" in m] == [1, 2, 3]
+        assert [m["step"] for m in steps if "loss" in m] == list(range(1, 31))
 
     # every system on the same test questions; the reports carry each run's own accuracy
     seeds = json.loads((out / "seeds.json").read_text())
@@ -76,3 +82,15 @@ def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "start:" not in again.stderr
     assert json.loads((out / "seeds.json").read_text()) == seeds
+
+
+def test_memgen_from_scratch_with_grpo_alone(tmp_path):
+    """MEMGEN_SFT=0: MemGen's GRPO alone from fresh weights, MEMGEN_STEPS steps, no warm-up."""
+    out = tmp_path / "compare"
+    p = run(out, SYSTEMS="memgen", SEEDS="0", MEMGEN_SFT="0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = yaml.safe_load((out / "s0" / "memgen" / "config.yaml").read_text())
+    assert cfg["train"]["init_from"] is None and cfg["train"]["lr"] == 1e-3 and not (out / "s0" / "memgen_sft").exists()
+    steps = [json.loads(line) for line in (out / "s0" / "memgen" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps if "loss" in m] == [1, 2, 3]
+    assert accuracy(out / "eval" / "memgen@0" / "memgen@0")[1] > 0

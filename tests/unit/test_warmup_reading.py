@@ -308,3 +308,47 @@ def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
                 for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     assert logged("split") == logged("whole") and len(logged("whole")) == 3 + 7
+
+
+def test_memgen_weaver_sft_warmup_starts_its_grpo(tmp_path, capsys):
+    """train.system=memgen: the warm-up's answer steps train MemGen's weaver on the targets (the
+    target loss falls), its final/ is a MemGen model, and GRPO starts from exactly it (lr 0: the
+    weights after one step are the warm-up's). Projector stages are refused for MemGen."""
+    from conftest import ROOT, run_cli_here
+    from safetensors.torch import load_file
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.baselines.memgen import saved_memgen_config
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.warmup.reading import warmup
+
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
+            "train.system=memgen", "memory.retrieval=frozen", "memgen.prompt_latents=4", "memgen.trigger_hidden=16",
+            "train.loss.retrieval_weight=0", "warmup.retrieval_weight=0", "warmup.steps=12", "warmup.batch_size=8",
+            "warmup.lr=1e-2", "warmup.eval_split="]
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+               cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    with pytest.raises(ConfigError, match="warmup.align_steps"):
+        warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, "warmup.align_steps=3",
+                                                                   f"warmup.output_dir={tmp_path / 'no'}"]))
+    warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, f"warmup.output_dir={tmp_path / 'w'}"]))
+    final = tmp_path / "w" / "final"
+    assert saved_memgen_config(final).prompt_latents == 4
+    steps = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["stage"] for m in steps] == ["answer"] * 12 and all(m["memory_tokens"] == 4 for m in steps)
+    loss = [m["loss/answer"] for m in steps]
+    assert sum(loss[-3:]) < sum(loss[:3]), loss
+    code, _, err = run_cli_here("train.py", ["--config", str(ROOT / "configs/tiny_mechanism.yaml"), *base,
+                                             f"train.init_from={final}", f"train.output_dir={tmp_path / 'g'}",
+                                             "train.max_steps=1", "train.lr=0", "train.batch_size=2",
+                                             "train.group_size=2", "train.eval_split=", "train.save_every=0"], capsys)
+    assert code == 0, err[-3000:]
+    a, b = load_file(str(final / "memgen.safetensors")), load_file(str(tmp_path / "g/final/memgen.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = load_file(str(final / "adapter/adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "g/final/adapter/adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -218,6 +218,42 @@ def budget_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+_PER_NOTE = ("tokens_per_note", "seconds_per_note")
+
+
+def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Memory-construction cost of the library baselines, apart from answering, or None when no
+    record carries one.
+
+    Read once per conversation from the records' ``extra[system]`` (``group`` and ``build``):
+    Mem0 / LangMem's ``build`` holds the endpoint's counters (calls, prompt and completion
+    tokens, seconds, failures, memories stored), A-Mem's holds notes added and tokens and
+    seconds per note. ``tokens`` sums every construction token of every conversation;
+    ``tokens_per_example`` spreads it over the evaluated examples (add it to ``avg_tokens`` for
+    the whole cost), ``tokens_per_group`` over the conversations; the other counters are sums.
+    """
+    builds: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for r in records:
+        for name, e in (r.get("extra") or {}).items():
+            if isinstance(e, Mapping) and isinstance(e.get("build"), Mapping) and "group" in e:
+                builds[(name, str(e["group"]))] = e["build"]
+    if not builds:
+        return None
+    sums: dict[str, float] = defaultdict(float)
+    for b in builds.values():
+        for k, v in b.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _PER_NOTE:
+                sums[k] += float(v)
+        notes = float(b.get("notes_added", 0) or 0)
+        if "prompt_tokens" in b or "completion_tokens" in b:
+            sums["tokens"] += float(b.get("prompt_tokens", 0)) + float(b.get("completion_tokens", 0))
+        else:  # A-Mem: per-note means
+            sums["tokens"] += notes * float(b.get("tokens_per_note", 0) or 0)
+            sums["seconds"] += notes * float(b.get("seconds_per_note", 0) or 0)
+    return {"groups": len(builds), **dict(sorted(sums.items())),
+            "tokens_per_example": sums["tokens"] / len(records), "tokens_per_group": sums["tokens"] / len(builds)}
+
+
 def latency_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Mean seconds per example, in total and by stage, and retrieval's share of the total.
 
@@ -694,8 +730,9 @@ def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | Non
     ``per_type_counts`` {question_type: n}, ``per_type_ci95`` {question_type: [lo, hi]},
     ``avg_tokens`` (#Tok), ``avg_memory_tokens``, ``avg_prompt_tokens``,
     ``avg_generated_tokens``, ``latency_s_per_example``, ``latency_split_s`` {stage: s},
-    ``retrieval_share``; with budgets ``avg_B_mem`` and ``budget_stats``; with free-form
-    golds ``free_form`` ({overall, per_type, counts} of :func:`aggregate_by_category`, plus
+    ``retrieval_share``; with budgets ``avg_B_mem`` and ``budget_stats``; for systems that build
+    their memory with an LLM (Mem0, LangMem, A-Mem) ``construction`` (:func:`construction_stats`);
+    with free-form golds ``free_form`` ({overall, per_type, counts} of :func:`aggregate_by_category`, plus
     ``absent`` {metric: reason}). ``free_form=None`` decides by :func:`golds_are_free_text`.
     """
     from elasticmem.eval.stats import accuracy_with_interval
@@ -722,6 +759,9 @@ def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | Non
         out["avg_B_mem"] = budgets["avg_B_mem"]
         out["budget_stats"] = budgets
     out.update(latency_stats(records))
+    construction = construction_stats(records)
+    if construction is not None:
+        out["construction"] = construction
     if free_form is None:
         free_form = golds_are_free_text(records)
     if free_form:

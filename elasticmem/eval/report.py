@@ -300,7 +300,8 @@ def comparison_data(results: Mapping[str, Results], correct: Mapping[str, Mappin
 def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison",
                         correct: Mapping[str, Mapping[str, bool] | None] | None = None,
                         paired: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """One row per system or variant: accuracy with its 95 % interval, #Tok, B_mem, latency;
+    """One row per system or variant: accuracy with its 95 % interval, #Tok, B_mem, latency (and
+    construction tokens per example where a system builds its memory with an LLM);
     each system against the first on the same questions (exact McNemar test, difference with
     its 95 % Tango interval, discordant counts, n; from ``correct``, {system: {id: correct}},
     or ready-made ``paired`` entries of :func:`paired_against_first`); per-type accuracies; and
@@ -311,6 +312,9 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
     paired = paired_against_first(names, correct) if paired is None else paired
     header = ["system", "n", f"{_primary(next(iter(results.values())))[0]} (%) [95 % CI]"]
     header += ["#Tok", "B_mem", "memory tokens", "latency (s)"] + [f"{s} (s)" for s in LATENCY_STAGES]
+    built = any("construction" in r for r in results.values())
+    if built:  # LLM-built memories: their construction tokens, apart from answering's #Tok
+        header.append("construction tokens per example")
     rows = []
     for name, r in results.items():
         split = r.get("latency_split_s", {})
@@ -318,7 +322,8 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
         rows.append([name, str(n), format_accuracy(acc, ci, unit="")]
                     + [_num(r.get("avg_tokens")), _num(r.get("avg_B_mem")), _num(r.get("avg_memory_tokens")),
                        _num(r.get("latency_s_per_example"), 4)]
-                    + [_num(split.get(s), 4) for s in LATENCY_STAGES])
+                    + [_num(split.get(s), 4) for s in LATENCY_STAGES]
+                    + ([_num(r.get("construction", {}).get("tokens_per_example"))] if built else []))
     parts = [f"# {title}"]
     few = [n for n, r in results.items() if int(r["num_examples"]) < stats.HEADLINE_MIN_N]
     if few:
@@ -373,7 +378,8 @@ def seed_groups(names: Sequence[str]) -> dict[str, list[str]]:
 def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across training seeds") -> dict[str, Any]:
     """``seeds.json``: per system (one ``results.json`` dict per training seed, the first system the
     reference): the mean accuracy over seeds with its t interval, the per-seed accuracies and n,
-    mean #Tok, memory tokens and latency; each system minus the reference, paired by seed
+    mean #Tok, memory tokens, latency and (LLM-built memories) construction tokens per example;
+    each system minus the reference, paired by seed
     (the i-th results of each: the same seed) with a paired t-test."""
     if not groups:
         raise ValueError("no results to aggregate")
@@ -387,6 +393,9 @@ def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across tra
             **{k: sum(float(r.get(k) or 0.0) for r in runs) / len(runs)
                for k in ("avg_tokens", "avg_memory_tokens", "latency_s_per_example")},
         }
+        if any("construction" in r for r in runs):
+            systems[name]["construction_tokens_per_example"] = sum(
+                float(r.get("construction", {}).get("tokens_per_example", 0.0)) for r in runs) / len(runs)
     ref = next(iter(groups))
     paired = {}
     for name in list(groups)[1:]:
@@ -405,10 +414,15 @@ def seeds_markdown(data: Mapping[str, Any]) -> str:
         rows.append([name, str(e["seeds"]), f"{100 * e['mean']:.1f} {ci}",
                      ", ".join(f"{100 * a:.1f}" for a in e["per_seed"]), ", ".join(map(str, e["n_per_seed"])),
                      _num(e["avg_tokens"]), _num(e["avg_memory_tokens"]), _num(e["latency_s_per_example"], 4)])
+    built = any("construction_tokens_per_example" in e for e in data["systems"].values())
+    if built:
+        for row, e in zip(rows, data["systems"].values()):
+            row.append(_num(e.get("construction_tokens_per_example")))
     metric = next(iter(data["systems"].values()))["metric"]
     parts = [f"# {data['title']}",
              _table(["system", "seeds", f"{metric} (%) mean [95 % CI over seeds]", "per seed (%)", "n per seed",
-                     "#Tok", "memory tokens", "latency (s)"], rows),
+                     "#Tok", "memory tokens", "latency (s)"] + (["construction tokens per example"] if built else []),
+                    rows),
              "The interval is Student's t over the seeds' results (how much another training run may differ); "
              "each seed's own question-level interval is in its comparison.md. One seed has no interval."]
     if data["paired"]:

@@ -312,6 +312,48 @@ def test_build_results_multiple_choice():
     assert "free_form" not in out  # golds are option letters
 
 
+def test_construction_cost_is_counted_once_per_conversation_apart_from_answering():
+    """Mem0 / LangMem records carry their conversation's endpoint counters, A-Mem's its notes and
+    per-note means: each conversation counts once however many of its questions were asked, and
+    the tables show construction tokens per example next to #Tok; systems without have none."""
+    from elasticmem.eval.report import comparison_markdown, seeds_data, seeds_markdown
+
+    def built(group, prompt, completion, memories, **kw):
+        r = rec("single", True, tokens=(100, 0, 2))
+        r["extra"] = {"mem0": {"group": group, "build": {"calls": 3.0, "prompt_tokens": prompt,
+                                                         "completion_tokens": completion, "seconds": 10.0,
+                                                         "failed_adds": 0, "memories": memories, **kw}}}
+        return r
+
+    mem0 = [built("g1", 1000.0, 50.0, 2), built("g1", 1000.0, 50.0, 2), built("g2", 3000.0, 150.0, 0,
+                                                                              json_schema_unfinished=1.0)]
+    c = M.construction_stats(mem0)
+    assert c["groups"] == 2 and c["calls"] == 6 and c["tokens"] == 4200 and c["memories"] == 2
+    assert c["prompt_tokens"] == 4000 and c["json_schema_unfinished"] == 1 and c["seconds"] == 20
+    assert c["tokens_per_example"] == pytest.approx(4200 / 3) and c["tokens_per_group"] == 2100
+    amem = rec("single", False)
+    amem["extra"] = {"amem": {"group": "g1", "notes_in_memory": 4,
+                              "build": {"notes_added": 4, "tokens_per_note": 250.0, "seconds_per_note": 2.0}}}
+    a = M.construction_stats([amem, rec("single", True)])
+    assert a["tokens"] == 1000 and a["seconds"] == 8 and a["notes_added"] == 4 and a["tokens_per_example"] == 500
+    assert "tokens_per_note" not in a
+    plain = [rec("single", True), rec("single", False)]
+    assert M.construction_stats(plain) is None and "construction" not in M.build_results(plain)
+    results = {"no_memory": M.build_results(plain), "mem0": M.build_results(mem0)}
+    assert results["mem0"]["construction"] == c and results["mem0"]["avg_tokens"] == 102
+    table = comparison_markdown(results)
+    header = next(line for line in table.splitlines() if line.startswith("| system"))
+    assert header.rstrip(" |").endswith("construction tokens per example")
+    mem0_row = next(line for line in table.splitlines() if line.startswith("| mem0 "))
+    no_row = next(line for line in table.splitlines() if line.startswith("| no_memory "))
+    assert mem0_row.rstrip(" |").endswith("1400.0") and no_row.rstrip(" |").endswith("–")
+    seeds = seeds_data({"no_memory": [results["no_memory"]] * 2, "mem0": [results["mem0"]] * 2})
+    assert seeds["systems"]["mem0"]["construction_tokens_per_example"] == pytest.approx(1400.0)
+    assert "construction_tokens_per_example" not in seeds["systems"]["no_memory"]
+    assert "construction tokens per example" in seeds_markdown(seeds)
+    assert "construction" not in comparison_markdown({"no_memory": results["no_memory"]})
+
+
 def test_build_results_free_form_and_success_rate(wordnet_home, punkt_tab):
     r1 = rec("1", True, prediction="The cat sat.", gold="the cat, the dog")  # F1 2/3 (above)
     r2 = rec("2", False, prediction="london", gold="paris")  # F1 0

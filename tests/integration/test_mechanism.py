@@ -7,7 +7,7 @@ a history's 8 memories (the others compete), the Transformer budget policy givin
 latent tokens, the MLP projector, GRPO on all of it. Three training seeds run (at once,
 one thread each). For each: greedy held-out accuracy goes from chance to >= 0.8, and the
 controls hold: without memory, and with the memories of another history (same bank, wrong
-group), the same model stays within 0.1 of chance; the evidence memory gets more budget than
+group), the same model is not above chance + 0.1; the evidence memory gets more budget than
 the others; retrieval recall@4 of the evidence rises during training.
 """
 
@@ -127,15 +127,18 @@ def test_full_mechanism_learns_at_every_seed_and_uses_its_memory(setup):
     for seed, r in report.items():
         assert r["reward_first"] < 0.1, (seed, r)  # the random model starts far from the answer format
         assert r["acc"] == pytest.approx(r["logged"]) and r["acc"] >= 0.8, (seed, r)
-        assert abs(r["no_memory"] - CHANCE) <= 0.1, (seed, r)
-        assert abs(r["wrong_group"] - CHANCE) <= 0.1, (seed, r)
+        # without its memories, or with another history's, the model cannot answer: at most chance +
+        # 0.1 (below chance is allowed: never trained without memory, it writes some non-letters,
+        # e.g. 0.144 at seeds 0 and 1 on an AVX-512 CPU)
+        assert r["no_memory"] <= CHANCE + 0.1, (seed, r)
+        assert r["wrong_group"] <= CHANCE + 0.1, (seed, r)
         assert r["budget_evidence"] > r["budget_other"], (seed, r)
         assert r["recall_last"] > r["recall_first"], (seed, r)
     assert len(val) >= 150
 
 
 RECIPE_GRPO_STEPS = 60
-"""GRPO steps after the reading warm-up: the GRPO-only test above runs 400."""
+"""GRPO steps after the reading warm-up: the GRPO-only test above runs 600 (the preset's)."""
 
 
 def _recipe_all(root: Path) -> None:
@@ -163,10 +166,10 @@ def _recipe_all(root: Path) -> None:
 
 @pytest.mark.timeout(1800)  # about 2 min on 2 idle cores
 def test_reading_warmup_then_a_quarter_of_the_grpo_steps_learns_at_every_seed(setup):
-    """The recipe: the supervised reading warm-up, then GRPO from it for 60 steps (not 400),
+    """The recipe: the supervised reading warm-up, then GRPO from it for 60 steps (not 600),
     reaches >= 0.9 held-out accuracy at every seed, and its budget policy learns to inject fewer
     tokens (mean B_mem of the last 10 steps below 3/4 of the first 10's; in 60 steps it cuts
-    every memory to about 1 token, not yet the non-evidence ones to 0 as the 400-step GRPO-only
+    every memory to about 1 token, not yet the non-evidence ones to 0 as the 600-step GRPO-only
     run does). The no-memory reasoner trained with the same recipe and budget stays within 0.1
     of chance."""
     from elasticmem.backbone import load_backbone

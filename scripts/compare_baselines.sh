@@ -70,15 +70,16 @@ fi
 >$OUT/logs/warmup_s$s.log 2>&1 && python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s \
 train.init_from=$d/warmup/final train.output_dir=$d/elasticmem >$OUT/logs/elasticmem_s$s.log 2>&1"
     fi
-    if has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ] && [ "$MEMGEN_SFT" = 1 ]; then
-      echo "python -m elasticmem.warmup.reading --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} \
+    if has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ]; then
+      train="python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} train.output_dir=$d/memgen"
+      if [ "$MEMGEN_SFT" = 1 ]; then
+        echo "python -m elasticmem.warmup.reading --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} \
 warmup.align_steps=0 warmup.retrieval_weight=0 warmup.output_dir=$d/memgen_sft >$OUT/logs/memgen_sft_s$s.log 2>&1 \
-&& python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} train.init_from=$d/memgen_sft/final \
-train.output_dir=$d/memgen >$OUT/logs/memgen_s$s.log 2>&1"
-    elif has memgen && [ ! -f "$d/memgen/final/elasticmem_config.json" ]; then
-      echo "python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s ${MEMGEN[*]} train.init_from=null \
-train.lr=${MEMGEN_LR:-1e-3} train.max_steps=$MEMGEN_STEPS train.batch_size=$MEMGEN_BATCH train.save_every=5 \
-train.output_dir=$d/memgen >$OUT/logs/memgen_s$s.log 2>&1"
+&& $train train.init_from=$d/memgen_sft/final >$OUT/logs/memgen_s$s.log 2>&1"
+      else
+        echo "$train train.init_from=null train.lr=${MEMGEN_LR:-1e-3} train.max_steps=$MEMGEN_STEPS \
+train.batch_size=$MEMGEN_BATCH train.save_every=5 >$OUT/logs/memgen_s$s.log 2>&1"
+      fi
     fi
   done
 } | pool

@@ -226,47 +226,16 @@ class MemGen(ElasticMem):
             raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
         mg = self.memgen
         texts = [self.encode_texts(ex) for ex in batch]
-        N = len(batch)
-        if mg.history == "retrieved" and self.cfg.top_z > 0:
-            *_, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True, texts)
-            rows, scores, _ = self._include(h, rows, scores, mask, include_rows)
-        else:
-            rows = torch.zeros(N, 0, dtype=torch.long)
-            scores, h = torch.zeros(rows.shape), torch.zeros(N, self.bank.hidden_size)
-        T = max(1, max(len(a) for a in answers))
-        answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
-        answer_mask = torch.zeros(N, T, dtype=torch.bool)
+        h, rows, scores = self._history(batch, texts, include_rows)
         delim, eos = set(self.delimiter_ids.tolist()), set(self.eos_ids)
-        points: list[list[int]] = []
-        for i, a in enumerate(answers):
-            answer_ids[i, : len(a)] = torch.as_tensor(list(a), dtype=torch.long)
-            answer_mask[i, : len(a)] = True
+        decisions = []
+        for a in answers:
             # a rollout offers a decision after a delimiter that is neither its last token nor an end
             at = [t for t in range(len(a) - 1) if a[t] in delim and a[t] not in eos] if mg.trigger != "never" else []
-            points.append(at[: mg.max_insertions])
-        D = max([len(p) for p in points] + [0])
-        pos = torch.full((N, D), -1, dtype=torch.long)
-        inserted = torch.zeros(N, D, dtype=torch.long)
-        for i, p in enumerate(points):
-            pos[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-            inserted[i, : len(p)] = mg.inference_latents
-        memory_tokens = inserted.sum(-1) + mg.prompt_latents
+            decisions.append([(t, 1, 0.0, 0.0) for t in at[: mg.max_insertions]])
         hist_tokens = torch.tensor([len(ids) for ids in self._history_ids(rows)])
-        task = torch.tensor([len(p) + len(s) for p, s in texts])
-        return MemGenTrajectories(
-            example_ids=[ex.id for ex in batch], query_index=torch.arange(N),
-            prompt_ids=[p for p, _ in texts], suffix_ids=[s for _, s in texts], groups=[ex.group for ex in batch],
-            control=torch.full((N,), -1, dtype=torch.long),
-            rows=torch.full((N, D), -1, dtype=torch.long), scores=torch.zeros(N, D),
-            mask=torch.zeros(N, D, dtype=torch.bool), budgets=inserted, soft_counts=inserted.clone(),
-            answer_ids=answer_ids, answer_mask=answer_mask,
-            answers=[self.tokenizer.decode(list(a), skip_special_tokens=True).strip() for a in answers],
-            logp_control=torch.zeros(N), logp_budget=torch.zeros(N, D), entropy_budget=torch.zeros(N, D),
-            logp_answer=torch.zeros(N, T), query_state=h.float().cpu(), answer_temperature=1.0,
-            control_temperature=1.0, greedy=False, num_tokens=task + memory_tokens + answer_mask.sum(-1),
-            memory_tokens=memory_tokens, budget_actions=False,
-            memory_rows=rows, memory_scores=scores.float(), decision_pos=pos, history_tokens=hist_tokens,
-        )
+        return self._trajectories(batch, texts, 1, h, rows, scores, hist_tokens, [list(a) for a in answers], None,
+                                  decisions, offered=False, greedy=False, temperature=1.0)
 
     def _decide(self, h: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decisions [n] (1 = invoke), their log-probs [n] and the distributions' entropies [n]."""
@@ -282,31 +251,55 @@ class MemGen(ElasticMem):
             raise ValueError("empty batch")
         if G < 1 or temperature <= 0:
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
-        mg = self.memgen
         t0 = time.perf_counter()
         texts = [self.encode_texts(ex) for ex in batch]
-        if mg.history == "retrieved" and self.cfg.top_z > 0:
-            *_, h, rows, scores, _ = self._query_and_retrieve(batch, 1, True, texts)
-        else:
-            rows = torch.zeros(len(batch), 0, dtype=torch.long)
-            scores, h = torch.zeros(rows.shape), torch.zeros(len(batch), self.bank.hidden_size)
+        h, rows, scores = self._history(batch, texts)
         hist = [self._embed(ids) for ids in self._history_ids(rows)]
         ctx = [self._embed(p + s) for p, s in texts]
         t1 = time.perf_counter()
         lat_p = self._weave([torch.cat([a, c]) for a, c in zip(hist, ctx)], "prompt")  # the adapter on: the weaver
         t2 = time.perf_counter()
-        N, rep = len(batch) * G, lambda xs: [x for x in xs for _ in range(G)]
-        hist, seq = rep(hist), [[c, lp.to(c.dtype)] for c, lp in zip(rep(ctx), rep(list(lat_p)))]
-        answer, logp_ans, decisions = self._decode(hist, seq, temperature, greedy)
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        seq = [[c, lp.to(c.dtype)] for c, lp in zip(rep(ctx), rep(list(lat_p)))]
+        answer, logp_ans, decisions = self._decode(rep(hist), seq, temperature, greedy)
         t3 = time.perf_counter()
-        T = max(1, max(len(a) for a in answer))
+        traj = self._trajectories(batch, texts, G, h, rows, scores, torch.tensor([x.shape[0] for x in hist]), answer,
+                                  None if greedy else logp_ans, decisions, offered=True, greedy=greedy,
+                                  temperature=temperature)
+        traj.timings = {"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2}
+        return traj
+
+    def _history(self, batch: Sequence[Example], texts, include_rows: Sequence[set[int]] | None = None):
+        """The history the weaver reads: (query states h [B, d], rows [B, Z'] (-1 = none), scores
+        [B, Z']) from ``memory.retrieval`` with the reasoner frozen, ``include_rows`` put among
+        them; no rows with ``memgen.history=none`` or Z = 0."""
+        if self.memgen.history == "retrieved" and self.cfg.top_z > 0:
+            *_, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True, texts)
+            rows, scores, _ = self._include(h, rows, scores, mask, include_rows)
+            return h, rows, scores
+        rows = torch.zeros(len(batch), 0, dtype=torch.long)
+        return torch.zeros(len(batch), self.bank.hidden_size), rows, torch.zeros(rows.shape)
+
+    def _trajectories(self, batch: Sequence[Example], texts, G: int, h: torch.Tensor, rows: torch.Tensor,
+                      scores: torch.Tensor, history_tokens: torch.Tensor, answers: list[list[int]],
+                      logps: list[list[float]] | None, decisions: list[list[tuple]], *, offered: bool, greedy: bool,
+                      temperature: float) -> MemGenTrajectories:
+        """``MemGenTrajectories`` of G trajectories per example of ``batch`` (example-major): the
+        answers (token lists) with their log-probs (None: 0) and per trajectory the insertion
+        points ``(answer index, invoke, log-prob, entropy)``; ``offered``: they were the trigger's
+        decisions (a rollout), not placed by teacher forcing. ``h``, ``rows``, ``scores`` and
+        ``history_tokens`` are per example."""
+        mg, N = self.memgen, len(batch) * G
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
+        T = max(1, max(len(a) for a in answers))
         answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
         answer_mask = torch.zeros(N, T, dtype=torch.bool)
         logp = torch.zeros(N, T)
-        for i, a in enumerate(answer):
+        for i, a in enumerate(answers):
             answer_ids[i, : len(a)] = torch.tensor(a, dtype=torch.long)
             answer_mask[i, : len(a)] = True
-            logp[i, : len(a)] = torch.tensor(logp_ans[i]) if not greedy else 0.0
+            if logps is not None:
+                logp[i, : len(a)] = torch.tensor(logps[i])
         D = max([len(d) for d in decisions] + [0])
         pos = torch.full((N, D), -1, dtype=torch.long)
         budgets = torch.zeros(N, D, dtype=torch.long)
@@ -314,28 +307,25 @@ class MemGen(ElasticMem):
         for i, ds in enumerate(decisions):
             for j, (t, dec, lp, ent) in enumerate(ds):
                 pos[i, j], budgets[i, j], lp_d[i, j], ent_d[i, j] = t, dec * mg.inference_latents, lp, ent
-        dmask = pos >= 0
-        memory_tokens = budgets.sum(-1) + lat_p.shape[1]
+        memory_tokens = budgets.sum(-1) + mg.prompt_latents
         task = torch.tensor([len(p) + len(s) for p, s in texts]).repeat_interleave(G)
         eos = self._is_eos(answer_ids) & answer_mask
         return MemGenTrajectories(
-            example_ids=[ex.id for ex in batch for _ in range(G)],
-            query_index=torch.arange(len(batch)).repeat_interleave(G),
+            example_ids=rep([ex.id for ex in batch]), query_index=torch.arange(len(batch)).repeat_interleave(G),
             prompt_ids=rep([p for p, _ in texts]), suffix_ids=rep([s for _, s in texts]),
             groups=rep([ex.group for ex in batch]),
             control=torch.full((N,), -1, dtype=torch.long),
-            rows=torch.full((N, D), -1, dtype=torch.long), scores=torch.zeros(N, D), mask=dmask, budgets=budgets,
-            soft_counts=budgets.clone(), answer_ids=answer_ids, answer_mask=answer_mask,
+            rows=torch.full((N, D), -1, dtype=torch.long), scores=torch.zeros(N, D), mask=(pos >= 0) & offered,
+            budgets=budgets, soft_counts=budgets.clone(), answer_ids=answer_ids, answer_mask=answer_mask,
             answers=[self.tokenizer.decode(ids[m], skip_special_tokens=True).strip()
                      for ids, m in zip(answer_ids, answer_mask & ~eos)],
             logp_control=torch.zeros(N), logp_budget=lp_d, entropy_budget=ent_d, logp_answer=logp,
             query_state=h.float().cpu().repeat_interleave(G, 0),
             answer_temperature=1.0 if greedy else temperature, control_temperature=1.0, greedy=greedy,
             num_tokens=task + memory_tokens + answer_mask.sum(-1), memory_tokens=memory_tokens,
-            timings={"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2},
-            budget_actions=mg.trigger == "learned",
+            budget_actions=offered and mg.trigger == "learned",
             memory_rows=rows.repeat_interleave(G, 0), memory_scores=scores.float().repeat_interleave(G, 0),
-            decision_pos=pos, history_tokens=torch.tensor([h_.shape[0] for h_ in hist]),
+            decision_pos=pos, history_tokens=history_tokens.repeat_interleave(G),
         )
 
     def _decode(self, hist: list[torch.Tensor], seq: list[list[torch.Tensor]], temperature: float, greedy: bool):

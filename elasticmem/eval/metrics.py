@@ -244,10 +244,10 @@ def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
         for k, v in b.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _PER_NOTE:
                 sums[k] += float(v)
-        notes = float(b.get("notes_added", 0) or 0)
         if "prompt_tokens" in b or "completion_tokens" in b:
             sums["tokens"] += float(b.get("prompt_tokens", 0)) + float(b.get("completion_tokens", 0))
         else:  # A-Mem: per-note means
+            notes = float(b.get("notes_added", 0) or 0)
             sums["tokens"] += notes * float(b.get("tokens_per_note", 0) or 0)
             sums["seconds"] += notes * float(b.get("seconds_per_note", 0) or 0)
     return {"groups": len(builds), **dict(sorted(sums.items())),

@@ -319,8 +319,8 @@ class MemGenConfig:
 class TextMemoryConfig:
     """Text-memory libraries as baselines (eval.system=mem0 or langmem): the library builds each
     group's memory from its history session by session with its own LLM calls and answers each
-    question with its own search; the retrieved memories then go into A-Mem's answer prompt
-    (amem.*), so the text baselines share one answering prompt. Needs the ``baselines`` extra."""
+    question with its own search; the retrieved memories are then read as ``answer_prompt`` says.
+    Needs the ``baselines`` extra."""
 
     api_base: str = ""
     """OpenAI-compatible endpoint (up to /v1) the library's LLM calls and the answers go to; '' =
@@ -343,6 +343,11 @@ class TextMemoryConfig:
     store_dir: str | None = None
     """Folder for the library's stores (Mem0's vector index and history database; LangMem's store
     lives in RAM); null = a temporary folder."""
+    answer_prompt: Literal["shared", "amem"] = "shared"
+    """'shared': the retrieved memories are read through ElasticMem's prompt and decoder
+    (memory.prompt_template, suffix_template, separator, max_new_tokens), one memory per slot,
+    exactly as text_rag reads its chunks, by the local base model, so the library differs from
+    the other systems only in its memory; 'amem': A-Mem's answer prompt (amem.*) at the endpoint."""
 
 
 AdvantageScale = Literal["group", "none"]

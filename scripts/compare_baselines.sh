@@ -20,6 +20,8 @@
 # steps of MEMGEN_BATCH questions x G = 4 at MEMGEN_LR (1e-3). MemGen's reasoner is frozen, so it
 # retrieves with the frozen model's query state (memory.retrieval=frozen) and has no retrieval loss.
 # Mem0 and LangMem: TEXTMEM_TOKENS (256) new tokens per library call (cut-offs are counted).
+# Mem0, LangMem and A-Mem read what they retrieve through ElasticMem's prompt and decoder, as
+# text_rag reads its chunks (answer_prompt=shared), so every system differs only in its memory.
 # Every step skips what its output folder already holds, so a rerun resumes; logs in $OUT/logs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -96,9 +98,13 @@ ev() {  # name, overrides...
     has elasticmem && ev "elasticmem@$s" eval.system=elasticmem eval.checkpoint="$OUT/s$s/elasticmem/final"
     has memgen && ev "memgen@$s" eval.system=memgen "${MEMGEN[0]}" eval.checkpoint="$OUT/s$s/memgen/final"
   done
-  for sys in text_rag no_memory amem; do
+  for sys in text_rag no_memory; do
     has "$sys" && ev "$sys" eval.system="$sys" eval.checkpoint=null
   done
+  # A-Mem builds every conversation's memory in lockstep (one batch of all questions: its LLM
+  # calls batch across conversations), into a store a rerun resumes
+  has amem && ev amem eval.system=amem eval.checkpoint=null amem.answer_prompt=shared \
+    amem.store_dir="$OUT/amem_store" eval.batch_size=100000
   for sys in mem0 langmem; do
     has "$sys" && ev "$sys" eval.system="$sys" eval.checkpoint=null textmem.max_new_tokens="$TEXTMEM_TOKENS"
   done

@@ -4,11 +4,13 @@ harness's ``MemorySystem`` interface.
 ``Mem0System(cfg, amem_cfg).predict(examples)`` gives every ``example.group`` its own Mem0 memory
 (``user_id`` = the group), built from ``example.history`` session by session with ``Memory.add``
 (the library's pipeline: an LLM call that extracts facts, then one that decides ADD / UPDATE /
-DELETE / NONE against the nearest stored memories), then answers each question with the
-library's ``Memory.search`` results in A-Mem's answer prompt (so the text-memory baselines share
-one prompt; multiple-choice questions answer with the option letter). ``LangMemSystem`` does the
-same with LangMem's memory store manager (memories extracted by function calls, trustcall) and
-its LangGraph store's search, namespace ("memories", group).
+DELETE / NONE against the nearest stored memories), then answers each question from the
+library's ``Memory.search`` results. ``textmem.answer_prompt=shared`` (default) reads them through
+ElasticMem's prompt and decoder as text_rag reads its chunks (``elasticmem.eval.reader``), so
+the library differs from the other systems only in its memory; ``amem`` answers at the endpoint
+with A-Mem's prompt. ``LangMemSystem`` does the same with LangMem's memory store manager
+(memories extracted by function calls, trustcall) and its LangGraph store's search, namespace
+("memories", group).
 
 Everything runs offline: the LLM is an OpenAI-compatible endpoint serving the base model
 (``elasticmem.baselines.openai_server``; started in this process when ``textmem.api_base`` is
@@ -42,7 +44,7 @@ from typing import Any
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
 from elasticmem.baselines.amem.llm import GenRequest, OpenAIBackend, StructuredLLM
-from elasticmem.config import TextMemoryConfig
+from elasticmem.config import MemoryConfig, TextMemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.eval.system import Prediction, Retrieved
 
@@ -101,16 +103,28 @@ class _Endpoint:
 
 class LibraryMemory:
     """What Mem0 and LangMem share: the endpoint, one memory per group built session by session
-    with the construction cost measured at the endpoint, and answers through A-Mem's prompt. A
-    library adds ``_add_session``, ``_search``, ``_stored`` and ``library``."""
+    with the construction cost measured at the endpoint, and the answers (``cfg.answer_prompt``).
+    A library adds ``_add_session``, ``_search``, ``_stored`` and ``library``."""
 
     name = "library"
     library = ""
     """The PyPI package whose memory this is."""
 
-    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None):
+    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None,
+                 memory: MemoryConfig | None = None):
+        """``memory``: the settings of ElasticMem's prompt the answers are read with
+        (``answer_prompt=shared``; default ``MemoryConfig()``)."""
         self.cfg, self.amem = cfg, amem or AMemConfig()
         self.endpoint = _Endpoint(cfg, model_cfg, backbone)
+        self.reader = None
+        if cfg.answer_prompt == "shared":
+            from elasticmem.eval.reader import SharedPromptReader
+
+            if self.endpoint.backbone is None:  # an external endpoint: the same model, read locally
+                from elasticmem.backbone import load_backbone
+
+                self.endpoint.backbone = load_backbone(model_cfg)
+            self.reader = SharedPromptReader.from_backbone(self.endpoint.backbone, memory or MemoryConfig())
         self._tmp = None
         self.root = cfg.store_dir
         if self.root is None:
@@ -187,26 +201,40 @@ class LibraryMemory:
         t0 = time.perf_counter()
         hits = [self._search(ex.group, ex.question) for ex in examples]
         t_retrieval = (time.perf_counter() - t0) / len(examples)
+        t1 = time.perf_counter()
+        if self.reader is not None:
+            reads = self.reader.answer(examples, [[text for _, text, _ in hs] for hs in hits])
+            answers = [(r.text, r.prompt_tokens, r.memory_tokens, r.generated_tokens, r.memory_token_counts)
+                       for r in reads]
+        else:
+            answers = self._amem_answers(examples, hits)
+        t_generation = (time.perf_counter() - t1) / len(examples)
+        out = []
+        for ex, hs, (text, prompt_tokens, memory_tokens, generated, counts) in zip(examples, hits, answers):
+            out.append(Prediction(
+                id=ex.id, text=text, prompt_tokens=prompt_tokens, memory_tokens=memory_tokens,
+                generated_tokens=generated,
+                retrieved=[Retrieved(rank=r, ref=str(i), score=float(score), text=mem, tokens=n)
+                           for r, ((i, mem, score), n) in enumerate(zip(hs, counts))],
+                latency={"retrieval": t_retrieval, "generation": t_generation},
+                extra={self.name: {"group": ex.group, "build": self.built[ex.group]}},
+            ))
+        return out
+
+    def _amem_answers(self, examples: Sequence[Example],
+                      hits: Sequence[Sequence[tuple[str, str, float]]]) -> list[tuple[str, int, int, int, list[int]]]:
+        """(answer, prompt tokens, memory tokens, generated tokens, tokens per memory) of each
+        example, answered at the endpoint with A-Mem's prompt over a "- text" line per memory."""
         blocks = ["\n".join(f"- {text}" for _, text, _ in hs) for hs in hits]
         requests = [GenRequest(prompts.answer_messages(self.amem, ex.question, block, ex.choices),
                                self.amem.mc_max_new_tokens if ex.choices else self.amem.answer_max_new_tokens,
                                None, stop=("\n",), kind="answer")
                     for ex, block in zip(examples, blocks)]
-        t1 = time.perf_counter()
-        answers = self.llm.text(requests)
-        t_generation = (time.perf_counter() - t1) / len(examples)
         out = []
-        for ex, hs, block, ans in zip(examples, hits, blocks, answers):
+        for hs, block, ans in zip(hits, blocks, self.llm.text(requests)):
             memory_tokens = self.llm.count_tokens(block) if block else 0
-            out.append(Prediction(
-                id=ex.id, text=ans.value, prompt_tokens=max(0, ans.prompt_tokens - memory_tokens),
-                memory_tokens=memory_tokens, generated_tokens=ans.completion_tokens,
-                retrieved=[Retrieved(rank=r, ref=str(i), score=float(score), text=text,
-                                     tokens=self.llm.count_tokens(text))
-                           for r, (i, text, score) in enumerate(hs)],
-                latency={"retrieval": t_retrieval, "generation": t_generation},
-                extra={self.name: {"group": ex.group, "build": self.built[ex.group]}},
-            ))
+            out.append((ans.value, max(0, ans.prompt_tokens - memory_tokens), memory_tokens, ans.completion_tokens,
+                        [self.llm.count_tokens(text) for _, text, _ in hs]))
         return out
 
     # ------------------------------------------------------------------ reporting
@@ -215,9 +243,10 @@ class LibraryMemory:
         from importlib.metadata import version
 
         settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("api_base", "store_dir")}
+        answer = self.reader.settings() if self.reader is not None else {
+            k: getattr(self.amem, k) for k in ("not_answerable", "mc_max_new_tokens", "answer_max_new_tokens")}
         ident = {"system": self.name, "library": f"{self.library} {version(self.library)}", "textmem": settings,
-                 "answer": {k: getattr(self.amem, k) for k in ("not_answerable", "mc_max_new_tokens",
-                                                              "answer_max_new_tokens")}}
+                 "answer": answer}
         if self.endpoint.backbone is not None:
             ident["llm_fingerprint"] = self.endpoint.backbone.fingerprint
         return ident
@@ -238,12 +267,13 @@ class Mem0System(LibraryMemory):
 
     name, library = "mem0", "mem0ai"
 
-    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None):
+    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None,
+                 memory: MemoryConfig | None = None):
         os.environ["MEM0_TELEMETRY"] = "False"  # offline: no usage reports (read when mem0 is first imported)
         import mem0.memory.telemetry as telemetry
 
         telemetry.MEM0_TELEMETRY = False  # and where an earlier import already read the variable
-        super().__init__(cfg, amem, model_cfg, backbone)
+        super().__init__(cfg, amem, model_cfg, backbone, memory)
         os.environ.setdefault("MEM0_DIR", os.path.join(self.root, "mem0_home"))
         from mem0 import Memory
 
@@ -281,8 +311,9 @@ class LangMemSystem(LibraryMemory):
 
     name, library = "langmem", "langmem"
 
-    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None):
-        super().__init__(cfg, amem, model_cfg, backbone)
+    def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None,
+                 memory: MemoryConfig | None = None):
+        super().__init__(cfg, amem, model_cfg, backbone, memory)
         from langchain_openai import ChatOpenAI
         from langgraph.store.memory import InMemoryStore
         from langmem import create_memory_store_manager

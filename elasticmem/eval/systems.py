@@ -8,7 +8,9 @@ reads the same prompt, retrieves from the same bank and generates with the same 
 - ``text_rag``: ``injection=text``, the same top-Z chunks as plain text;
 - ``full_context``: ``injection=text, retrieval=recent``, the latest history that fits.
 
-A-Mem (``amem``) has its own memory and lives in ``elasticmem.baselines.amem``; MemGen
+A-Mem (``amem``, ``elasticmem.baselines.amem``), Mem0 and LangMem (``mem0``, ``langmem``,
+``elasticmem.baselines.textmem``) have their own memories; with ``answer_prompt=shared`` they read
+what they retrieve through the same prompt and decoder (``elasticmem.eval.reader``). MemGen
 (``memgen``, ``elasticmem.baselines.memgen``) shares the prompt, retrieval and bank but
 answers with its own weaver and trigger.
 """
@@ -155,11 +157,12 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     if cfg.eval.system == "amem":
         from elasticmem.baselines.amem import AMemSystem
 
-        return AMemSystem.from_config(cfg.amem)
+        return AMemSystem.from_config(cfg.amem, memory=cfg.memory)
     if cfg.eval.system in ("mem0", "langmem"):
         from elasticmem.baselines.textmem import LangMemSystem, Mem0System
 
-        return (Mem0System if cfg.eval.system == "mem0" else LangMemSystem)(cfg.textmem, cfg.amem, cfg.model)
+        return (Mem0System if cfg.eval.system == "mem0" else LangMemSystem)(cfg.textmem, cfg.amem, cfg.model,
+                                                                             memory=cfg.memory)
     from elasticmem.bank import Bank, build_index
     from elasticmem.model.elasticmem import ElasticMem
 

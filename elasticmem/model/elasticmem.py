@@ -45,7 +45,7 @@ from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
-from elasticmem.model.injection import Layout, assemble
+from elasticmem.model.injection import Assembled, Layout, assemble
 from elasticmem.model.projector import Projector, select_last_valid
 
 FORMAT_VERSION = 1
@@ -240,7 +240,7 @@ class ElasticMem(nn.Module):
         self.policy = BudgetPolicy(cfg.policy, d_query).to(device)
         self.projector = Projector(cfg.projector, backbone.hidden_size).to(device)
         self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(self.base, self.tokenizer)
         self._warned: set[str] = set()
         self._chunk_tokens: dict[int, list[int]] = {}  # bank row -> token ids (text injection)
         self._recent: dict[str, list[int]] = {}  # group -> rows (retrieval 'recent')
@@ -261,32 +261,14 @@ class ElasticMem(nn.Module):
         """The causal LM with LoRA layers injected (adapter on unless disabled)."""
         return self.lm.get_base_model()
 
-    def _eos_ids(self) -> list[int]:
-        eos = self.base.generation_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return sorted(ids)
-
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=3)
 
     def encode_texts(self, ex: Example) -> tuple[list[int], list[int]]:
-        """Token ids of prompt(q) and suffix(u) for one example."""
-        tok, cfg = self.tokenizer, self.cfg
-        suffix = format_suffix(cfg.suffix_template, ex)
-        if cfg.prompt_template == "raw":
-            return tok(ex.question)["input_ids"], tok(suffix, add_special_tokens=False)["input_ids"]
-        # Chat: render the template around a placeholder and cut there, so the user turn holds
-        # the question, then (after a and the memories) the options, then the assistant prompt.
-        marker = "\u0000"
-        text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                       add_generation_prompt=True)
-        before, after = text.split(marker)
-        return (tok(before + ex.question, add_special_tokens=False)["input_ids"],
-                tok(suffix + after, add_special_tokens=False)["input_ids"])
+        """Token ids of prompt(q) and suffix(u) for one example (``encode_prompt``)."""
+        return encode_prompt(self.tokenizer, self.cfg, ex)
 
     def _decoder(self, disable_adapter: bool = False):
         return self.lm.disable_adapter() if disable_adapter else contextlib.nullcontext()
@@ -716,8 +698,7 @@ class ElasticMem(nn.Module):
             soft_counts=counts,
             answer_ids=answer_ids,
             answer_mask=answer_mask,
-            answers=[self.tokenizer.decode(ids[m], skip_special_tokens=True).strip()
-                     for ids, m in zip(answer_ids, answer_mask & ~self._is_eos(answer_ids))],
+            answers=decode_answers(self.tokenizer, answer_ids, answer_mask, self.eos_ids),
             logp_control=logp_a,
             logp_budget=logp_b,
             entropy_budget=ent_b,
@@ -736,56 +717,13 @@ class ElasticMem(nn.Module):
         return torch.isin(ids, torch.tensor(self.eos_ids, dtype=ids.dtype))
 
     def generation_config(self, temperature: float, greedy: bool):
-        """Sampling from softmax(logits / temperature) and nothing else (argmax when ``greedy``).
-
-        Every knob of transformers' ``generate`` that changes which token is drawn, or with
-        what probability, is set to its off value (``DECODING_OFF``). Unset (None) fields would
-        not stay unset: ``generate`` fills them from ``model.generation_config`` (a checkpoint's
-        own: Qwen2.5 top_k 20, top_p 0.8, repetition_penalty 1.05; others suppress_tokens,
-        bad_words_ids, ...) and then from transformers' defaults (top_k 50); ``_generate`` runs
-        with a blank model config (``_blank_model_generation_config``) so the off values that
-        are None stay None. The recorded log-probs are then of the distribution sampled from.
-        """
-        from transformers import GenerationConfig
-
-        off = dict(DECODING_OFF)
-        if greedy:  # warpers are only built when sampling; top_k=0 would draw a warning about that
-            off["top_k"] = None
-        return GenerationConfig(
-            **off, max_new_tokens=self.cfg.max_new_tokens, do_sample=not greedy,
-            temperature=1.0 if greedy else temperature,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
-            return_dict_in_generate=False,
-        )
+        """``decoding_config`` of this model's settings and tokenizer."""
+        return decoding_config(self.cfg, self.tokenizer, self.eos_ids, temperature, greedy)
 
     def _generate(self, batch_in, temperature: float, greedy: bool):
-        """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature.
-
-        Greedy rollouts (evaluation) do no log-prob work: their ``logp_answer`` is 0, nothing
-        reads it. Sampled rollouts gather the drawn token's log-prob step by step
-        (``_answer_logp_hooks``), so at most one step's [N, V] log-softmax is alive, instead of
-        ``output_logits``' T steps of [N, V] float32 plus a stacked copy and a log-softmax of it
-        (0.6 GB each at N=64, T=16, V=152k). ``benchmarks/rollout_memory.py`` measures it.
-        """
-        hooks = {}
-        if not greedy:
-            record, gather, steps = _answer_logp_hooks(temperature)
-            hooks = dict(logits_processor=[record], stopping_criteria=[gather])
-        with _blank_model_generation_config(self.base):
-            # With inputs_embeds and no input_ids, a decoder-only generate returns the new tokens only.
-            ids = self.lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
-                                   generation_config=self.generation_config(temperature, greedy), **hooks)
-        T = ids.shape[1]
-        if greedy:
-            logp = torch.zeros(ids.shape)
-        else:  # generate may run a step it then undoes (deferred stop check on mps): keep T
-            logp = torch.stack(steps[:T], 1).cpu()
-        ids = ids.cpu()
-        eos = self._is_eos(ids)
-        after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
-        mask = ~after_eos
-        ids = torch.where(mask, ids, torch.full_like(ids, self.tokenizer.pad_token_id))
-        return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
+        """``generate_answers`` with this model's decoder and settings."""
+        return generate_answers(self.lm, self.base, self.generation_config(temperature, greedy), batch_in,
+                                self.eos_ids, self.tokenizer.pad_token_id, temperature, greedy)
 
     def forward(self, traj: Trajectories) -> ScoreOutput:
         """``score``: the training forward pass (so DDP/DeepSpeed wrappers see a forward call)."""
@@ -902,6 +840,92 @@ class ElasticMem(nn.Module):
         self._load_adapter(path)
         self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
         self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
+
+
+def encode_prompt(tokenizer, cfg: MemoryConfig, ex: Example) -> tuple[list[int], list[int]]:
+    """Token ids of prompt(q) and suffix(u) of one example under ``cfg``'s templates: what every
+    system that answers through ElasticMem's prompt reads around its memories."""
+    suffix = format_suffix(cfg.suffix_template, ex)
+    if cfg.prompt_template == "raw":
+        return tokenizer(ex.question)["input_ids"], tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    # Chat: render the template around a placeholder and cut there, so the user turn holds
+    # the question, then (after a and the memories) the options, then the assistant prompt.
+    marker = "\u0000"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    before, after = text.split(marker)
+    return (tokenizer(before + ex.question, add_special_tokens=False)["input_ids"],
+            tokenizer(suffix + after, add_special_tokens=False)["input_ids"])
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every token that ends an answer: the model's generation config's EOS ids and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def decoding_config(cfg: MemoryConfig, tokenizer, eos_ids: list[int], temperature: float, greedy: bool):
+    """Sampling from softmax(logits / temperature) and nothing else (argmax when ``greedy``).
+
+    Every knob of transformers' ``generate`` that changes which token is drawn, or with
+    what probability, is set to its off value (``DECODING_OFF``). Unset (None) fields would
+    not stay unset: ``generate`` fills them from ``model.generation_config`` (a checkpoint's
+    own: Qwen2.5 top_k 20, top_p 0.8, repetition_penalty 1.05; others suppress_tokens,
+    bad_words_ids, ...) and then from transformers' defaults (top_k 50); ``generate_answers`` runs
+    with a blank model config (``_blank_model_generation_config``) so the off values that
+    are None stay None. The recorded log-probs are then of the distribution sampled from.
+    """
+    from transformers import GenerationConfig
+
+    off = dict(DECODING_OFF)
+    if greedy:  # warpers are only built when sampling; top_k=0 would draw a warning about that
+        off["top_k"] = None
+    return GenerationConfig(
+        **off, max_new_tokens=cfg.max_new_tokens, do_sample=not greedy,
+        temperature=1.0 if greedy else temperature,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+        return_dict_in_generate=False,
+    )
+
+
+def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in: Assembled, eos_ids: list[int],
+                     pad_id: int, temperature: float, greedy: bool):
+    """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature.
+
+    Greedy rollouts (evaluation) do no log-prob work: their ``logp_answer`` is 0, nothing
+    reads it. Sampled rollouts gather the drawn token's log-prob step by step
+    (``_answer_logp_hooks``), so at most one step's [N, V] log-softmax is alive, instead of
+    ``output_logits``' T steps of [N, V] float32 plus a stacked copy and a log-softmax of it
+    (0.6 GB each at N=64, T=16, V=152k). ``benchmarks/rollout_memory.py`` measures it.
+    """
+    hooks = {}
+    if not greedy:
+        record, gather, steps = _answer_logp_hooks(temperature)
+        hooks = dict(logits_processor=[record], stopping_criteria=[gather])
+    with _blank_model_generation_config(base):
+        # With inputs_embeds and no input_ids, a decoder-only generate returns the new tokens only.
+        ids = lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+                          generation_config=generation_config, **hooks)
+    T = ids.shape[1]
+    if greedy:
+        logp = torch.zeros(ids.shape)
+    else:  # generate may run a step it then undoes (deferred stop check on mps): keep T
+        logp = torch.stack(steps[:T], 1).cpu()
+    ids = ids.cpu()
+    eos = torch.isin(ids, torch.tensor(eos_ids, dtype=ids.dtype))
+    after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
+    mask = ~after_eos
+    ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
+    return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
+
+
+def decode_answers(tokenizer, ids: torch.Tensor, mask: torch.Tensor, eos_ids: list[int]) -> list[str]:
+    """The answer text of each row of ``generate_answers``' tokens [N, T]: up to the first EOS, stripped."""
+    ends = torch.isin(ids, torch.tensor(eos_ids, dtype=ids.dtype))
+    return [tokenizer.decode(row[m], skip_special_tokens=True).strip() for row, m in zip(ids, mask & ~ends)]
 
 
 # Every GenerationConfig field that transformers 5's generate reads to pick the next token, at

@@ -3,8 +3,9 @@
     pytest tests/integration/test_textmem.py
 
 - a scripted endpoint (a rule-based stand-in for the LLM, served by the real endpoint code over
-  HTTP): what the library's pipeline stores is what its search returns into the answer prompt,
-  and every LLM call's tokens are counted as construction or answering;
+  HTTP): what the library's pipeline stores is what its search returns into the answer prompt
+  (A-Mem's at the endpoint, or ElasticMem's read locally), and every LLM call's tokens are
+  counted as construction or answering;
 - SmolLM2 behind the endpoint (real uvicorn, real HTTP) on the first two sessions of a real LoCoMo
   conversation: MC answers, construction tokens and failures; and the endpoint's command line.
 """
@@ -22,7 +23,7 @@ from conftest import SHARED_DATA, requires_smollm2
 from test_train import tiny_setup  # noqa: F401  (fixture)
 
 from elasticmem.baselines.amem.llm import Completion
-from elasticmem.config import TextMemoryConfig
+from elasticmem.config import MemoryConfig, TextMemoryConfig
 from elasticmem.data.schema import Example, Turn
 
 # not imported here: Mem0System turns the library's telemetry off before its first import
@@ -88,7 +89,7 @@ def test_what_the_library_stores_is_what_answers_see_and_every_call_is_counted(t
     server = ServerThread(ChatEndpoint(backend, "scripted"))
     try:
         cls = Mem0System if library == "mem0" else LangMemSystem
-        system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / "store")))
+        system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / "store"), answer_prompt="amem"))
         preds = system.predict([_example("g1"), _example("g2")])
         # the library's own pipeline: Mem0 extracts facts then decides per session; LangMem calls
         # its memory function once per session
@@ -114,6 +115,40 @@ def test_what_the_library_stores_is_what_answers_see_and_every_call_is_counted(t
         assert usage["prompt_tokens"] == stats["construction"]["prompt_tokens"] + answering["prompt_tokens"]
         assert usage["completion_tokens"] == stats["construction"]["completion_tokens"] + answering["completion_tokens"]
         assert system.identity()["library"].startswith("mem0ai 1.0" if library == "mem0" else "langmem 0.0")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("library", ["mem0", "langmem"])
+def test_the_shared_prompt_reads_what_the_library_returns_with_the_local_model(tmp_path, library, tiny_backbone):
+    """answer_prompt=shared (the default): no answering call reaches the endpoint; each question
+    is read by the local model through ElasticMem's prompt from exactly the memories the
+    library's search returned, in its order, and #Tok is that reading's."""
+    from elasticmem.baselines.openai_server import ChatEndpoint, ServerThread
+    from elasticmem.baselines.textmem import LangMemSystem, Mem0System
+    from elasticmem.eval.reader import SharedPromptReader
+
+    backend = ScriptedBackend()
+    server = ServerThread(ChatEndpoint(backend, "scripted"))
+    memory = MemoryConfig(max_new_tokens=4, suffix_template="\n{options}\nAnswer:")
+    try:
+        cls = Mem0System if library == "mem0" else LangMemSystem
+        system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / "store")),
+                     backbone=tiny_backbone, memory=memory)
+        examples = [_example("g1"), _example("g2")]
+        preds = system.predict(examples)
+        per_session = ["facts", "memory"] if library == "mem0" else ["calls"]
+        assert backend.calls == per_session * 3  # construction only
+        assert sorted(r.text for r in preds[0].retrieved) == sorted(system._stored("g1"))
+        reads = SharedPromptReader.from_backbone(tiny_backbone, memory).answer(
+            examples, [[r.text for r in p.retrieved] for p in preds])
+        for p, r in zip(preds, reads):
+            assert (p.text, p.prompt_tokens, p.memory_tokens, p.generated_tokens) == (
+                r.text, r.prompt_tokens, r.memory_tokens, r.generated_tokens)
+            assert [m.tokens for m in p.retrieved] == r.memory_token_counts and p.memory_tokens > 0
+        assert system.identity()["answer"] == {"prompt_template": "raw", "suffix_template": "\n{options}\nAnswer:",
+                                               "separator": "\n", "max_new_tokens": 4, "retrieval": "control"}
+        assert system.stats()["answering"]["by_kind"] == {}
     finally:
         server.close()
 
@@ -161,10 +196,10 @@ def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessio
         convs = read_locomo(LOCOMO, SkipLog())
         mc = [ex for ex in mc10_examples(convs, 42, {}) if ex.group == "conv-26"][:2]
         mc = [dataclasses.replace(ex, history=[s[:1] for s in ex.history[:2]]) for ex in mc]
-        for cls in (Mem0System, LangMemSystem):
+        for cls, answer_prompt in ((Mem0System, "shared"), (LangMemSystem, "amem")):
             # a short budget keeps the test short: an answer it cuts off is counted as unfinished
-            system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / cls.name), max_new_tokens=96),
-                         backbone=smollm2_backbone)
+            system = cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / cls.name), max_new_tokens=96,
+                                          answer_prompt=answer_prompt), backbone=smollm2_backbone)
             preds = system.predict(mc)
             assert [p.id for p in preds] == [ex.id for ex in mc] and all(p.generated_tokens > 0 for p in preds)
             letters = [parse_option_letter(p.text, 10) for p in preds]  # None = no option named: scored wrong
@@ -174,7 +209,7 @@ def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessio
                         "memories"):
                 assert key in build
             stats = system.stats()
-            assert stats["answering"]["by_kind"]["answer"]["calls"] == 2
+            assert stats["answering"]["by_kind"].get("answer", {}).get("calls", 0) == (2 if answer_prompt == "amem" else 0)
             print(f"\n{cls.name} on SmolLM2:", json.dumps(stats["construction"]), "stored:",
                   system._stored("conv-26")[:4], "answers:", [p.text for p in preds], letters)
     finally:
@@ -211,6 +246,7 @@ def test_evaluate_runs_the_library_on_an_endpoint_it_starts_itself(tiny_setup, t
     identity = json.loads((out / "run_identity.json").read_text())["identity"]
     assert identity["system"] == library and identity["library"].split()[0] in ("mem0ai", "langmem")
     assert identity["llm_fingerprint"]  # the served model's weights identify the run
+    assert identity["answer"]["suffix_template"]  # read through ElasticMem's prompt (answer_prompt=shared)
 
 
 def test_streaming_is_refused_for_library_memories(tiny_setup, tmp_path, capsys):  # noqa: F811

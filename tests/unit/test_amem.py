@@ -9,6 +9,7 @@ that share words are close, others orthogonal).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -31,6 +32,7 @@ from elasticmem.baselines.amem.store import NoteStore
 from elasticmem.baselines.amem.structured import Arr, Bool, Enum, Matcher, Obj, Str, accepts, canonical
 from elasticmem.baselines.amem.system import AMemSystem
 from elasticmem.data.schema import Example, Turn
+from elasticmem.utils.configuration import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -455,6 +457,33 @@ def test_system_builds_one_memory_per_group_and_accounts_tokens():
     assert be.kinds().count("note") == 4  # memories are kept between calls
     st = system.stats()
     assert st["build"]["notes_added"] == 4 and st["build"]["tokens_per_note"] > 0
+
+
+def test_shared_answer_prompt_reads_the_retrieved_notes_with_the_local_model(tiny_backbone, one_thread):
+    """amem.answer_prompt=shared: no answer call; each question is read by the local model through
+    ElasticMem's prompt from its retrieved notes, each rendered with answer_fields, in rank order."""
+    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.config import MemoryConfig
+    from elasticmem.eval.reader import SharedPromptReader
+
+    scripted = ScriptedBackend()
+    backend = TransformersBackend(tiny_backbone.model, tiny_backbone.tokenizer)
+    backend.generate = scripted.generate  # the notes and decisions as scripted; the weights are the reader's
+    cfg = AMemConfig(embedder="hashing", retrieve_k=2, answer_prompt="shared")
+    memory = MemoryConfig(max_new_tokens=4, suffix_template="\n{options}\nAnswer:")
+    system = AMemSystem(cfg, llm=StructuredLLM(backend), embedder=HashingEmbedder(), memory=memory)
+    examples = _examples()
+    preds = system.predict(examples)
+    assert "answer" not in scripted.kinds() and scripted.kinds().count("note") == 4
+    notes = [[system.memories[ex.group].notes[r.ref].render(cfg.answer_fields) for r in p.retrieved]
+             for ex, p in zip(examples, preds)]
+    assert all(notes) and "time: 1 May 2023" in notes[0][0]
+    reads = SharedPromptReader(tiny_backbone.model, tiny_backbone.tokenizer, memory).answer(examples, notes)
+    assert [(p.text, p.prompt_tokens, p.memory_tokens, p.generated_tokens) for p in preds] == [
+        (r.text, r.prompt_tokens, r.memory_tokens, r.generated_tokens) for r in reads]
+    assert system.identity()["answer"]["max_new_tokens"] == 4
+    with pytest.raises(ConfigError, match="answer_prompt=shared"):
+        AMemSystem(dataclasses.replace(cfg, llm=AMemLLMConfig(backend="openai")), embedder=HashingEmbedder())
 
 
 def test_system_resumes_a_partially_built_store(tmp_path):

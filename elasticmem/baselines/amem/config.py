@@ -100,6 +100,11 @@ class AMemConfig:
         default_factory=lambda: ["timestamp", "content", "context", "keywords", "tags"])
     """Note fields shown to the answering LLM, in order (any of timestamp, content, context,
     keywords, tags)."""
+    answer_prompt: Literal["amem", "shared"] = "amem"
+    """'amem': the answers come from A-Mem's own answer prompt (the paper's setting, what
+    run_locomo reproduces); 'shared': the retrieved notes (each rendered with answer_fields) are
+    read through ElasticMem's prompt and decoder (memory.*) as text_rag reads its chunks, so that
+    A-Mem differs from the other systems of a comparison only in its memory (local LLM only)."""
     not_answerable: str = "Not mentioned in the conversation"
     """What the answer prompt asks for when the notes do not hold the answer; LoCoMo's adversarial
     questions are scored against this phrase."""

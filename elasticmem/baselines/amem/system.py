@@ -33,8 +33,10 @@ from elasticmem.baselines.amem.embed import Embedder, load_embedder
 from elasticmem.baselines.amem.llm import GenRequest, StructuredLLM, TransformersBackend
 from elasticmem.baselines.amem.memory import AgenticMemory, build_memories, expand_queries
 from elasticmem.baselines.amem.notes import MemoryItem
+from elasticmem.config import MemoryConfig
 from elasticmem.data.schema import Example, Turn
 from elasticmem.eval.system import Prediction, Retrieved
+from elasticmem.utils.configuration import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +66,29 @@ class AMemSystem:
     """The ``MemorySystem`` for A-Mem; construct with ``AMemSystem(cfg)`` or ``AMemSystem.from_config``."""
 
     def __init__(self, cfg: AMemConfig, llm: StructuredLLM | None = None, embedder: Embedder | None = None,
-                 backbone=None):
+                 backbone=None, memory: MemoryConfig | None = None):
         """``backbone``: an already loaded ``elasticmem.backbone.Backbone`` to reuse as the local LLM
-        (transformers backend); otherwise ``cfg.llm.model`` is loaded."""
+        (transformers backend); otherwise ``cfg.llm.model`` is loaded. ``memory``: the settings of
+        ElasticMem's prompt that ``answer_prompt=shared`` reads with (default ``MemoryConfig()``)."""
         self.cfg = cfg
         self.llm = llm if llm is not None else StructuredLLM.from_config(cfg.llm, backbone)
+        self.reader = None
+        if cfg.answer_prompt == "shared":
+            from elasticmem.eval.reader import SharedPromptReader
+
+            backend = self.llm.backend
+            if not isinstance(backend, TransformersBackend):
+                raise ConfigError("amem.answer_prompt=shared reads the notes with the local model: set "
+                                  "amem.llm.backend=transformers, or amem.answer_prompt=amem")
+            self.reader = SharedPromptReader(backend.model, backend.tokenizer, memory or MemoryConfig())
         self.embedder = embedder if embedder is not None else load_embedder(cfg.embedder)
         self.memories: dict[str, AgenticMemory] = {}
         self.name = "amem" if cfg.ablation == "full" else f"amem-{cfg.ablation}"
         self._llm_weights: dict[str, str] | None = None  # identity(): the local LLM's fingerprint, once
 
     @classmethod
-    def from_config(cls, cfg: AMemConfig, backbone=None) -> AMemSystem:
-        return cls(cfg, backbone=backbone)
+    def from_config(cls, cfg: AMemConfig, backbone=None, memory: MemoryConfig | None = None) -> AMemSystem:
+        return cls(cfg, backbone=backbone, memory=memory)
 
     # ------------------------------------------------------------------ memories
 
@@ -134,21 +146,18 @@ class AMemSystem:
                 retrieved[i] = h
         t_retrieval = (time.perf_counter() - t0) / len(examples)
 
-        blocks = [prompts.memory_block([r.note for r in hits], cfg.answer_fields) for hits in retrieved]
-        requests = []
-        for ex, block in zip(examples, blocks):
-            mc = bool(ex.choices)
-            requests.append(GenRequest(
-                prompts.answer_messages(cfg, ex.question, block, ex.choices),
-                cfg.mc_max_new_tokens if mc else cfg.answer_max_new_tokens, None, stop=("\n",), kind="answer",
-            ))
         t1 = time.perf_counter()
-        answers = self.llm.text(requests)
+        if self.reader is not None:
+            reads = self.reader.answer(examples, [[h.note.render(cfg.answer_fields) for h in hits]
+                                                  for hits in retrieved])
+            answers = [(r.text, r.prompt_tokens, r.memory_tokens, r.generated_tokens) for r in reads]
+        else:
+            answers = self._amem_answers(examples, retrieved)
         t_generation = (time.perf_counter() - t1) / len(examples)
 
         preds = []
-        for i, (ex, hits, block, ans) in enumerate(zip(examples, retrieved, blocks, answers)):
-            memory_tokens = self.llm.count_tokens(block) if block else 0
+        for i, (ex, hits, (text, prompt_tokens, memory_tokens, generated)) in enumerate(
+                zip(examples, retrieved, answers)):
             mem = self.memories[ex.group]
             extra: dict[str, Any] = {
                 "group": ex.group, "notes_in_memory": len(mem),
@@ -161,10 +170,8 @@ class AMemSystem:
                 extra["expansion_tokens"] = expansion[i].tokens
                 extra["expansion_fallback"] = expansion[i].fallback
             preds.append(Prediction(
-                id=ex.id, text=ans.value,
-                prompt_tokens=max(0, ans.prompt_tokens - memory_tokens),
-                memory_tokens=memory_tokens,
-                generated_tokens=ans.completion_tokens,
+                id=ex.id, text=text, prompt_tokens=prompt_tokens, memory_tokens=memory_tokens,
+                generated_tokens=generated,
                 retrieved=[Retrieved(rank=r, ref=h.note.id, score=h.score, text=h.note.content,
                                      tokens=self.llm.count_tokens(h.note.render(cfg.answer_fields)))
                            for r, h in enumerate(hits)],
@@ -172,6 +179,21 @@ class AMemSystem:
                 extra={"amem": extra},
             ))
         return preds
+
+    def _amem_answers(self, examples: Sequence[Example], retrieved) -> list[tuple[str, int, int, int]]:
+        """(answer, prompt tokens, memory tokens, generated tokens) of each example from A-Mem's
+        answer prompt over its notes."""
+        cfg = self.cfg
+        blocks = [prompts.memory_block([r.note for r in hits], cfg.answer_fields) for hits in retrieved]
+        requests = [GenRequest(prompts.answer_messages(cfg, ex.question, block, ex.choices),
+                               cfg.mc_max_new_tokens if ex.choices else cfg.answer_max_new_tokens, None,
+                               stop=("\n",), kind="answer")
+                    for ex, block in zip(examples, blocks)]
+        out = []
+        for block, ans in zip(blocks, self.llm.text(requests)):
+            memory_tokens = self.llm.count_tokens(block) if block else 0
+            out.append((ans.value, max(0, ans.prompt_tokens - memory_tokens), memory_tokens, ans.completion_tokens))
+        return out
 
     # ------------------------------------------------------------------ reporting
 
@@ -185,6 +207,8 @@ class AMemSystem:
                     "retry_backoff_s"):
             del settings["llm"][key]
         ident: dict[str, Any] = {"system": self.name, "amem": settings}
+        if self.reader is not None:
+            ident["answer"] = self.reader.settings()
         backend = self.llm.backend
         if isinstance(backend, TransformersBackend):
             if self._llm_weights is None:

@@ -611,6 +611,32 @@ def test_transformers_backend_constrained_json_is_valid_even_from_a_random_model
     assert r.fallback and r.attempts == 3 and "token budget" in r.errors[0]
 
 
+def test_shared_prefix_prefill_generates_what_the_plain_prefill_does(tiny_backbone, one_thread):
+    """A batch of calls that share their instructions: the common prefix is prefilled once (one
+    forward of batch 1) and the answers, constrained and free, equal those of the plain batched
+    prefill, token for token, as do the prompt token counts."""
+    from elasticmem.baselines.amem.llm import TransformersBackend
+
+    cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
+    reqs = [GenRequest(prompts.note_messages(text, "today"), 60, prompts.note_schema(cfg), kind="note")
+            for text in ("cat dog", "a much longer turn about the garden and the weather", "hi")]
+    reqs += [GenRequest(prompts.note_messages(text, "today"), 7, None, kind="answer") for text in ("x y", "zebra")]
+    shapes = []
+    plain = TransformersBackend(tiny_backbone.model, tiny_backbone.tokenizer, batch_size=8, share_prefix=False)
+    shared = TransformersBackend(tiny_backbone.model, tiny_backbone.tokenizer, batch_size=8)
+    expected = plain.generate(reqs)
+    hook = tiny_backbone.model.register_forward_pre_hook(
+        lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        got = shared.generate(reqs)
+    finally:
+        hook.remove()
+    assert got == expected
+    assert shapes[0][0] == 1 and shapes[0][1] >= TransformersBackend.MIN_SHARED_PREFIX  # the prefix, once
+    assert shapes[1][0] == len(reqs) and shapes[1][1] < max(c.prompt_tokens for c in got) - shapes[0][1] + 1
+    assert any(c.completion_tokens > 3 for c in got)
+
+
 # --------------------------------------------------------------------------- the LoCoMo command
 
 

@@ -446,12 +446,18 @@ class _TokenChooser:
 class TransformersBackend:
     """A local causal LM with batched, optionally constrained generation."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 8, constrained: bool = True, name: str = "transformers"):
+    MIN_SHARED_PREFIX = 16
+    """Fewest common prompt tokens worth a prefill of their own."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 8, constrained: bool = True, name: str = "transformers",
+                 share_prefix: bool = True):
+        """``share_prefix``: prefill the batch's common prompt prefix once (``_prefill``)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.constrained = constrained
         self.name = name
+        self.share_prefix = share_prefix
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.eos_id = int(tokenizer.eos_token_id)
@@ -486,6 +492,40 @@ class TransformersBackend:
                 out[i] = c
         return out  # type: ignore[return-value]
 
+    def _prefill(self, token_ids: list[list[int]], cache, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompts into ``cache``; the last position's logits [B, V] and the attention mask.
+
+        The rows' common token prefix (A-Mem's calls of one kind share their instructions: about
+        200-300 tokens of a 300-800-token prompt) is run once and its cache repeated over the
+        batch, when ``share_prefix`` and it is at least ``MIN_SHARED_PREFIX`` tokens; each row's
+        rest follows, left-padded, so padding sits between the prefix and the row's own tokens
+        (masked, positions counted over real tokens only). Only the last position's logits are
+        computed (the [B, L, V] float32 logits of a 49k vocabulary were a fifth of the prefill)."""
+        dev = self.model.device
+        shared = 0
+        if self.share_prefix and len(token_ids) > 1:
+            first, shortest = token_ids[0], min(len(t) for t in token_ids)
+            while shared < shortest - 1 and all(t[shared] == first[shared] for t in token_ids):
+                shared += 1
+            if shared < self.MIN_SHARED_PREFIX:
+                shared = 0
+        rests = [t[shared:] for t in token_ids]
+        width = max(len(t) for t in rests)
+        ids = torch.full((len(rests), width), pad, dtype=torch.long)
+        rest_mask = torch.zeros((len(rests), width), dtype=torch.long)
+        for b, t in enumerate(rests):
+            ids[b, width - len(t):] = torch.tensor(t, dtype=torch.long)
+            rest_mask[b, width - len(t):] = 1
+        if shared:
+            self.model(input_ids=torch.tensor([token_ids[0][:shared]], device=dev), cache=cache, use_cache=True,
+                       logits_to_keep=1)
+            cache.batch_repeat_interleave(len(rests))
+        mask = torch.cat([torch.ones((len(rests), shared), dtype=torch.long), rest_mask], dim=1)
+        positions = shared + (rest_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float(), mask.to(dev)
+
     def _generate_batch(self, requests: list[GenRequest], prompts: list[str], temperature: float,
                         seed: int) -> list[Completion]:
         """Own decoding loop (KV cache, left padding): unlike ``generate`` it can append several
@@ -499,21 +539,17 @@ class TransformersBackend:
             matcher = Matcher(r.schema) if (r.schema is not None and self.constrained) else None
             rows.append(_Row(budget=r.max_new_tokens, matcher=matcher, stops=tuple(r.stop)))
         dev = self.model.device
-        enc = self.tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-        for row, r, row_ids, row_mask in zip(rows, requests, enc["input_ids"], enc["attention_mask"]):
+        token_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        for row, r, row_ids in zip(rows, requests, token_ids):
             if r.no_repeat_ngram > 0:
-                row.ngrams = _NgramBan(r.no_repeat_ngram, row_ids[row_mask.bool()].tolist())
-        ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
-        prompt_tokens = mask.sum(dim=1).tolist()
-        next_pos = mask.sum(dim=1)  # position of each row's next real token
+                row.ngrams = _NgramBan(r.no_repeat_ngram, row_ids)
+        prompt_tokens = [len(t) for t in token_ids]
+        next_pos = torch.tensor(prompt_tokens)  # position of each row's next real token
         gen = torch.Generator().manual_seed(seed)
         chooser = _TokenChooser(self.tokenizer, vocab, self.eos_id, temperature, gen)
         pad = int(self.tokenizer.pad_token_id)
         cache = DynamicCache()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True)
-        logits = out.logits[:, -1, :].float()
+        logits, mask = self._prefill(token_ids, cache, pad)
         while True:
             steps: list[list[int]] = []
             for b, row in enumerate(rows):

@@ -109,6 +109,8 @@ class LibraryMemory:
     name = "library"
     library = ""
     """The PyPI package whose memory this is."""
+    memory_per_group = True
+    """Each group's memory is built as its examples are answered: evaluation gives a group to one process."""
 
     def __init__(self, cfg: TextMemoryConfig, amem: AMemConfig | None = None, model_cfg=None, backbone=None,
                  memory: MemoryConfig | None = None):

@@ -150,6 +150,21 @@ def claim_output(out: Path, identity: dict[str, Any], *, state=None, overwrite: 
         raise OutputDirError(why)
 
 
+def process_share(examples: Sequence[Example], rank: int, world: int) -> list[Example]:
+    """The examples process ``rank`` of ``world`` answers, in their order: whole groups, each to
+    the process with the fewest examples so far (largest groups first, ties to the lower rank),
+    so every process computes the same partition and the shares differ by at most one group."""
+    sizes: dict[str, int] = {}
+    for ex in examples:
+        sizes[ex.group] = sizes.get(ex.group, 0) + 1
+    load, owner = [0] * world, {}
+    for group in sorted(sizes, key=lambda g: -sizes[g]):  # stable: ties keep first-appearance order
+        r = min(range(world), key=lambda i: load[i])
+        owner[group] = r
+        load[r] += sizes[group]
+    return [ex for ex in examples if owner[ex.group] == rank]
+
+
 def evaluate(
     system: MemorySystem,
     examples: Sequence[Example],
@@ -169,9 +184,11 @@ def evaluate(
 ) -> dict[str, Any] | None:
     """Answer ``examples`` with ``system`` into ``out_dir``; the results dict (main process).
 
-    ``state`` is an ``accelerate.PartialState`` (None = one process). Examples are assigned
-    round-robin over the processes after removing those already answered, so a resumed run
-    with another number of processes still answers each example exactly once.
+    ``state`` is an ``accelerate.PartialState`` (None = one process). The examples not answered
+    yet are shared out over the processes round-robin, or a whole group (conversation) at a time
+    for a system whose ``memory_per_group`` is true (A-Mem, Mem0, LangMem build a memory per
+    group: each in one process only; ``process_share``). Either way a resumed run with another
+    number of processes answers each example exactly once.
     ``settings``: what else changes the answers (e.g. ``{"split": "test"}``), added to
     ``system.identity()``. A folder holding another identity's predictions, or predictions of
     examples whose data changed, raises ``OutputDirError``; ``overwrite`` deletes them first.
@@ -199,7 +216,7 @@ def evaluate(
                              f"run's (e.g. {changed[:3]}; the split file changed since they were answered): "
                              f"{_ADVICE}")
     pending = [ex for ex in examples if ex.id not in done]
-    mine = pending[rank::world]
+    mine = process_share(pending, rank, world) if getattr(system, "memory_per_group", False) else pending[rank::world]
     _barrier(state)  # every process has read the parts before any appends: they all split the same list
     if main and done:
         print(f"[evaluate] {out}: {len(examples) - len(pending)} of {len(examples)} examples already answered; "

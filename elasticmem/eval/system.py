@@ -68,6 +68,8 @@ class MemorySystem(Protocol):
     """Answers examples with whatever memory it has; see the module docstring."""
 
     name: str
+    # Optional: ``memory_per_group = True`` for a system that builds a memory per example group
+    # as it answers (A-Mem, Mem0, LangMem); the evaluation then gives each group to one process.
 
     def predict(self, examples: Sequence[Example]) -> list[Prediction]:
         """Greedy answers for a batch, in order, one ``Prediction`` per example."""

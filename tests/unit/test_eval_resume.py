@@ -150,3 +150,31 @@ def test_amem_resumes_across_storage_and_speed_settings_but_not_across_answer_se
         _run(amem(retrieve_k=3)[0], tmp_path, examples)
     with pytest.raises(OutputDirError, match="'amem-wo_me'"):
         _run(amem(retrieve_k=2, ablation="wo_me")[0], tmp_path, examples)
+
+
+def test_processes_share_whole_groups_and_answer_each_example_once(tmp_path):
+    """For a system with a memory per group, each process answers whole groups (the memory is
+    built in one process only), all examples once, resumed with another number of processes."""
+    from elasticmem.eval.runner import process_share
+
+    ragged = EXAMPLES + [dataclasses.replace(ex, id=f"s{ex.id}", group=f"s{ex.group}")  # groups of 3 and of 1
+                         for ex in make_examples(n_groups=2, questions_per_group=1, seed=1)]
+    assert process_share(ragged, 0, 1) == ragged
+    shares = [process_share(ragged, r, 3) for r in range(3)]
+    assert sorted(ex.id for s in shares for ex in s) == sorted(ex.id for ex in ragged)
+    groups = [{ex.group for ex in s} for s in shares]
+    assert all(not (groups[i] & groups[j]) for i in range(3) for j in range(i + 1, 3))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 3  # at most one group apart
+
+    _run(Scripted(), tmp_path, ragged[:5])  # one process answered a few, then two go on
+    barrier = threading.Barrier(2)
+    systems = [Scripted(), Scripted()]
+    for s in systems:
+        s.memory_per_group = True  # as A-Mem, Mem0 and LangMem (others are shared out round-robin)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda r: _run(systems[r], tmp_path, ragged, state=_Process(r, barrier)), (0, 1)))
+    answered = [set(s.answered) for s in systems]
+    assert not (answered[0] & answered[1]) and answered[0] | answered[1] == {ex.id for ex in ragged[5:]}
+    by_group = [{ex.group for ex in ragged if ex.id in a} for a in answered]
+    assert not (by_group[0] & by_group[1]) and all(by_group)
+    assert results[0]["num_examples"] == len(ragged)

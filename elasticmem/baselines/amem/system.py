@@ -65,6 +65,9 @@ def group_dirname(group: str) -> str:
 class AMemSystem:
     """The ``MemorySystem`` for A-Mem; construct with ``AMemSystem(cfg)`` or ``AMemSystem.from_config``."""
 
+    memory_per_group = True
+    """Each group's memory is built as its examples are answered: evaluation gives a group to one process."""
+
     def __init__(self, cfg: AMemConfig, llm: StructuredLLM | None = None, embedder: Embedder | None = None,
                  backbone=None, memory: MemoryConfig | None = None):
         """``backbone``: an already loaded ``elasticmem.backbone.Backbone`` to reuse as the local LLM

@@ -125,6 +125,9 @@ class LibraryMemory:
             if self.endpoint.backbone is None:  # an external endpoint: the same model, read locally
                 from elasticmem.backbone import load_backbone
 
+                if model_cfg is None:
+                    raise ValueError("textmem.answer_prompt=shared reads the memories with a local model: give "
+                                     "backbone= or model_cfg=, or set answer_prompt='amem'")
                 self.endpoint.backbone = load_backbone(model_cfg)
             self.reader = SharedPromptReader.from_backbone(self.endpoint.backbone, memory or MemoryConfig())
         self._tmp = None

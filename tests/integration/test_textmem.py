@@ -149,6 +149,8 @@ def test_the_shared_prompt_reads_what_the_library_returns_with_the_local_model(t
         assert system.identity()["answer"] == {"prompt_template": "raw", "suffix_template": "\n{options}\nAnswer:",
                                                "separator": "\n", "max_new_tokens": 4, "retrieval": "control"}
         assert system.stats()["answering"]["by_kind"] == {}
+        with pytest.raises(ValueError, match="local model"):  # an external endpoint and no local weights
+            cls(TextMemoryConfig(api_base=server.url, store_dir=str(tmp_path / "other")))
     finally:
         server.close()
 

@@ -27,7 +27,7 @@ from torch import nn
 from elasticmem.config import MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.elasticmem import decode_answers, decoding_config, encode_prompt, eos_token_ids, generate_answers
-from elasticmem.model.injection import Layout, assemble
+from elasticmem.model.injection import Layout, assemble, left_pad
 
 
 @dataclass
@@ -64,19 +64,11 @@ class SharedPromptReader:
         return {k: getattr(self.cfg, k) for k in ("prompt_template", "suffix_template", "separator",
                                                    "max_new_tokens", "retrieval")}
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def _control_tokens(self, prompts: list[list[int]]) -> list[int | None]:
         """The greedy next token after each prompt (the control token a), or None without one."""
         if self.cfg.retrieval != "control":
             return [None] * len(prompts)
-        L = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), L), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), L, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.as_tensor(p)
-            mask[i, L - len(p):] = 1
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         device = self.model.get_input_embeddings().weight.device
         out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device), logits_to_keep=1)

@@ -45,7 +45,7 @@ from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
-from elasticmem.model.injection import Assembled, Layout, assemble
+from elasticmem.model.injection import Assembled, Layout, assemble, left_pad
 from elasticmem.model.projector import Projector, select_last_valid
 
 FORMAT_VERSION = 1
@@ -297,12 +297,7 @@ class ElasticMem(nn.Module):
         if mode in ("mean", "prompt", "layer_mean"):  # the bank's key function on the question, adapter off
             h = self._key_like_states(questions).repeat_interleave(G, 0)
             return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
-        L = max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.as_tensor(p)
-            mask[i, L - len(p):] = 1
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with self._decoder(disable_adapter=mode == "frozen"):

@@ -47,6 +47,18 @@ class Assembled:
     """[N] real (unpadded) lengths."""
 
 
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [N, L] left-padded with ``pad_id`` and their attention mask [N, L] (long, 0 on
+    padding), L the longest sequence."""
+    L = max(len(t) for t in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, t in enumerate(seqs):
+        ids[i, L - len(t):] = torch.as_tensor(list(t), dtype=torch.long)
+        mask[i, L - len(t):] = 1
+    return ids, mask
+
+
 def assemble(
     embedding: torch.nn.Module, layouts: Sequence[Layout], sep: Sequence[int]
 ) -> Assembled:

@@ -35,6 +35,7 @@ import torch
 
 from elasticmem.baselines.amem.config import AMemLLMConfig
 from elasticmem.baselines.amem.structured import Matcher, Obj, normalise, parse_json_object
+from elasticmem.model.injection import left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -510,12 +511,7 @@ class TransformersBackend:
             if shared < self.MIN_SHARED_PREFIX:
                 shared = 0
         rests = [t[shared:] for t in token_ids]
-        width = max(len(t) for t in rests)
-        ids = torch.full((len(rests), width), pad, dtype=torch.long)
-        rest_mask = torch.zeros((len(rests), width), dtype=torch.long)
-        for b, t in enumerate(rests):
-            ids[b, width - len(t):] = torch.tensor(t, dtype=torch.long)
-            rest_mask[b, width - len(t):] = 1
+        ids, rest_mask = left_pad(rests, pad)
         if shared:
             self.model(input_ids=torch.tensor([token_ids[0][:shared]], device=dev), cache=cache, use_cache=True,
                        logits_to_keep=1)

@@ -1,6 +1,7 @@
 """scripts/compare_baselines.sh on the tiny preset: data and bank once, ElasticMem (warm-up then GRPO)
 and MemGen (weaver SFT then GRPO) trained at two seeds as separate processes, every system evaluated on the same test
-questions, then comparison.md and seeds.md; a rerun starts nothing and reports the same.
+questions (with ElasticMem's memory ablation: each seed's checkpoint with nothing retrieved), then comparison.md and
+seeds.md; a rerun starts nothing and reports the same.
 
     pytest tests/integration/test_compare_baselines.py -q       # ~1 min on 2 cores
 """
@@ -18,7 +19,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compare_baselines.sh"
-SYSTEMS = ["elasticmem", "memgen", "text_rag", "no_memory"]
+SYSTEMS = ["elasticmem", "elasticmem_no_memory", "memgen", "text_rag", "no_memory"]
+TRAINED = ("elasticmem", "elasticmem_no_memory", "memgen")
 OVERRIDES = ["data.synthetic.num_histories=40", "warmup.steps=2", "warmup.align_steps=0", "train.max_steps=30",
              "train.save_every=0", "memgen.prompt_latents=2", "memgen.inference_latents=2", "memgen.trigger_hidden=16"]
 
@@ -64,7 +66,7 @@ def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
     seeds = json.loads((out / "seeds.json").read_text())
     assert list(seeds["systems"]) == SYSTEMS and seeds["reference"] == "elasticmem"
     for name in SYSTEMS:
-        runs = [f"{name}@{s}" for s in (0, 1)] if name in ("elasticmem", "memgen") else [name, name]
+        runs = [f"{name}@{s}" for s in (0, 1)] if name in TRAINED else [name, name]
         expected = []
         for r in runs:
             d = out / "eval" / r / r
@@ -74,6 +76,17 @@ def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
         got = seeds["systems"][name]
         assert got["seeds"] == 2 and got["n_per_seed"] == [n for _, n in expected]
         assert got["per_seed"] == pytest.approx([a for a, _ in expected])
+    # the memory ablation: each seed's own ElasticMem checkpoint, answering with nothing retrieved
+    for s in (0, 1):
+        d = out / "eval" / f"elasticmem_no_memory@{s}" / f"elasticmem_no_memory@{s}"
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        assert cfg["eval"]["system"] == "no_memory"
+        assert cfg["eval"]["checkpoint"] == str(out / f"s{s}" / "elasticmem" / "final")
+        rows = [json.loads(line) for line in (d / "predictions.jsonl").read_text().splitlines()]
+        assert all(r["retrieved"] == [] and r["tokens"]["memory"] == 0 for r in rows)
+        em = out / "eval" / f"elasticmem@{s}" / f"elasticmem@{s}"
+        with_memory = [json.loads(line) for line in (em / "predictions.jsonl").read_text().splitlines()]
+        assert sum(r["tokens"]["memory"] for r in with_memory) > 0
     comparison = json.loads((out / "comparison.json").read_text())
     assert "elasticmem@0" in json.dumps(comparison) and (out / "comparison.md").is_file()
 

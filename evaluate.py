@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 results[name] = res
                 metric, acc, n, ci = report.headline(res)
+                ev = res.get("evidence_retrieval")
+                found = (f", evidence found {report.format_accuracy(ev['recall_any'], ev['recall_any_ci95'])} "
+                         f"(chance {100 * ev['random_recall_any']:.1f} %)") if ev else ""
                 print(f"evaluate.py: {name}: {metric} {report.format_accuracy(acc, ci, n)}, "
-                      f"#Tok {res['avg_tokens']:.1f}, memory tokens {res['avg_memory_tokens']:.1f}, "
+                      f"#Tok {res['avg_tokens']:.1f}, memory tokens {res['avg_memory_tokens']:.1f}{found}, "
                       f"{res['latency_s_per_example']:.3f} s/example -> {out}")
         if main_proc and cfg.eval.variants:
             from elasticmem.eval import plots, report

@@ -16,6 +16,10 @@ What is measured (DESIGN.md section 1 item 8):
   the budgets the policy chose, for systems that choose budgets).
 - **latency** per example, split into ``retrieval``, ``policy`` and ``generation``
   (whatever stages the system timed), and the share of retrieval in the total.
+- **evidence retrieval** (systems that retrieve bank rows, questions with evidence): how often
+  the retrieved rows hold an evidence turn, against its chance level, and accuracy when they
+  do and when they do not (:func:`evidence_stats`): a memory that is found but not read shows
+  as a high recall with accuracy-given-hit near the miss rate.
 - **free-form answer metrics** (LoCoMo, to compare with A-Mem): token F1, BLEU-1, ROUGE-L,
   ROUGE-2, METEOR and SBERT cosine similarity, computed as A-Mem's public evaluation code
   computes them (see :func:`free_form_scores`), per question type.
@@ -252,6 +256,54 @@ def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
             sums["seconds"] += notes * float(b.get("seconds_per_note", 0) or 0)
     return {"groups": len(builds), **dict(sorted(sums.items())),
             "tokens_per_example": sums["tokens"] / len(records), "tokens_per_group": sums["tokens"] / len(builds)}
+
+
+def evidence_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """How often the bank rows a system retrieved hold the question's evidence, and how accuracy
+    depends on it; None when no record carries its evidence rows or nothing was retrieved.
+
+    Systems that retrieve bank rows (ElasticMem and the systems on its code path) record each
+    question's evidence as ``extra["evidence"]`` = {``rows``: the bank rows holding an evidence
+    turn, ``group_rows``: the rows of its group}; retrieved rows are the ``row:N`` refs. Over the
+    n questions with evidence, with k = the rows retrieved for a question:
+
+    - ``recall_any`` (Wilson ``recall_any_ci95``, count ``hits``): any evidence row retrieved;
+    - ``recall_frac``: mean fraction of a question's evidence rows retrieved;
+    - ``random_recall_any``: its exact expectation for k rows drawn uniformly from the group
+      (:func:`elasticmem.eval.retrieval.random_recall`), the chance level to compare with;
+    - ``accuracy_given_hit`` / ``accuracy_given_miss`` (with ``n_hit`` / ``n_miss`` and Wilson
+      intervals): whether the answers use what was found (None where the set is empty);
+    - ``mean_retrieved`` (mean k) and ``n_no_evidence`` (records left out).
+    """
+    from elasticmem.eval.retrieval import random_recall
+    from elasticmem.eval.stats import accuracy_with_interval
+
+    def rows(r: Mapping[str, Any]) -> list[int]:
+        return [int(m["ref"][4:]) for m in r.get("retrieved", []) if str(m.get("ref", "")).startswith("row:")]
+
+    scored = [r for r in records if ((r.get("extra") or {}).get("evidence") or {}).get("rows")]
+    if not scored or not any(rows(r) for r in scored):
+        return None
+    hit, frac, chance = [], [], []
+    for r in scored:
+        ev, got = set(r["extra"]["evidence"]["rows"]), rows(r)
+        found = len(ev & set(got))
+        hit.append(found > 0)
+        frac.append(found / len(ev))
+        chance.append(random_recall([r["extra"]["evidence"]["group_rows"]], [ev], [len(got)])[f"recall_any@{len(got)}"])
+    n = len(scored)
+    recall, _, ci = accuracy_with_interval(hit)
+    out: dict[str, Any] = {"n": n, "n_no_evidence": len(records) - n,
+                           "mean_retrieved": sum(len(rows(r)) for r in scored) / n,
+                           "recall_any": recall, "recall_any_ci95": ci, "hits": sum(hit),
+                           "recall_frac": sum(frac) / n, "random_recall_any": sum(chance) / n}
+    for name, want in (("hit", True), ("miss", False)):
+        outcomes = [r["correct"] for r, h in zip(scored, hit) if h == want]
+        acc, k, aci = accuracy_with_interval(outcomes)
+        out[f"n_{name}"] = k
+        out[f"accuracy_given_{name}"] = acc if k else None
+        out[f"accuracy_given_{name}_ci95"] = aci if k else None
+    return out
 
 
 def latency_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -732,6 +784,8 @@ def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | Non
     ``avg_generated_tokens``, ``latency_s_per_example``, ``latency_split_s`` {stage: s},
     ``retrieval_share``; with budgets ``avg_B_mem`` and ``budget_stats``; for systems that build
     their memory with an LLM (Mem0, LangMem, A-Mem) ``construction`` (:func:`construction_stats`);
+    for systems that retrieve bank rows of questions with evidence ``evidence_retrieval``
+    (:func:`evidence_stats`);
     with free-form golds ``free_form`` ({overall, per_type, counts} of :func:`aggregate_by_category`, plus
     ``absent`` {metric: reason}). ``free_form=None`` decides by :func:`golds_are_free_text`.
     """
@@ -762,6 +816,9 @@ def build_results(records: Sequence[Mapping[str, Any]], *, free_form: bool | Non
     construction = construction_stats(records)
     if construction is not None:
         out["construction"] = construction
+    evidence = evidence_stats(records)
+    if evidence is not None:
+        out["evidence_retrieval"] = evidence
     if free_form is None:
         free_form = golds_are_free_text(records)
     if free_form:

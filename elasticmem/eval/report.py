@@ -181,6 +181,31 @@ def free_form_markdown(ff: Mapping[str, Any]) -> str:
     return out
 
 
+_EVIDENCE_HEADER = ["system", "n with evidence", "evidence recall (%) [95 % CI]", "chance (%)", "rows retrieved",
+                    "accuracy if found (%) [95 % CI] (n)", "accuracy if not found (%) [95 % CI] (n)"]
+_EVIDENCE_NOTE = ("Evidence recall: share of the questions with evidence whose retrieved bank rows include an "
+                  "evidence row (Wilson interval); chance: its exact expectation for as many rows drawn at random "
+                  "from the question's conversation.")
+
+
+def _evidence_row(name: str, e: Mapping[str, Any]) -> list[str]:
+    def given(which: str) -> str:
+        k = e[f"n_{which}"]
+        acc = format_accuracy(e[f"accuracy_given_{which}"], e[f"accuracy_given_{which}_ci95"], unit="")
+        return "–" if not k else f"{acc} ({k})"
+
+    return [name, str(e["n"]), format_accuracy(e["recall_any"], e["recall_any_ci95"], unit=""),
+            _pct(e["random_recall_any"], 1), _num(e["mean_retrieved"]), given("hit"), given("miss")]
+
+
+def evidence_markdown(results: Mapping[str, Results]) -> str | None:
+    """The evidence-retrieval table (``results.json`` ``evidence_retrieval``) of the systems that have one."""
+    rows = [_evidence_row(name, r["evidence_retrieval"]) for name, r in results.items() if r.get("evidence_retrieval")]
+    if not rows:
+        return None
+    return "\n\n".join(["## Evidence retrieval", _table(_EVIDENCE_HEADER, rows), _EVIDENCE_NOTE])
+
+
 def results_markdown(results: Results, title: str | None = None) -> str:
     """``report.md`` of one evaluation (see the module docstring)."""
     name, acc, n, ci = headline(results)
@@ -220,6 +245,10 @@ def results_markdown(results: Results, title: str | None = None) -> str:
         parts.append(_table(["mean budget per memory", "dropped (b = 0, %)", "max budget", "B_mem"],
                             [[_num(b["mean_budget"], 2), _pct(b["zero_fraction"], 1), str(b["max_budget"]),
                               _num(b["avg_B_mem"])]]))
+
+    evidence = evidence_markdown({str(results.get("system", "this system")): results})
+    if evidence:
+        parts.append(evidence)
 
     ff = results.get("free_form")
     if ff:
@@ -357,6 +386,9 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
             trow.append([name] + ["–" if t not in per else format_accuracy(per[t][0], per[t][2], per[t][1], unit="")
                                   for t in types])
         parts.append(_table(["system"] + types, trow))
+    evidence = evidence_markdown(results)
+    if evidence:
+        parts.append(evidence)
     if all("free_form" in r for r in results.values()):
         parts += ["## Free-form answers (A-Mem paper Table 1 layout, %)", amem_table1(results)]
     return "\n\n".join(parts) + "\n"
@@ -378,7 +410,8 @@ def seed_groups(names: Sequence[str]) -> dict[str, list[str]]:
 def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across training seeds") -> dict[str, Any]:
     """``seeds.json``: per system (one ``results.json`` dict per training seed, the first system the
     reference): the mean accuracy over seeds with its t interval, the per-seed accuracies and n,
-    mean #Tok, memory tokens, latency and (LLM-built memories) construction tokens per example;
+    mean #Tok, memory tokens, latency, (LLM-built memories) construction tokens per example and
+    (systems retrieving bank rows, every seed scored) the mean evidence recall;
     each system minus the reference, paired by seed
     (the i-th results of each: the same seed) with a paired t-test."""
     if not groups:
@@ -396,6 +429,8 @@ def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across tra
         if any("construction" in r for r in runs):
             systems[name]["construction_tokens_per_example"] = sum(
                 float(r.get("construction", {}).get("tokens_per_example", 0.0)) for r in runs) / len(runs)
+        if all(r.get("evidence_retrieval") for r in runs):
+            systems[name]["evidence_recall"] = sum(r["evidence_retrieval"]["recall_any"] for r in runs) / len(runs)
     ref = next(iter(groups))
     paired = {}
     for name in list(groups)[1:]:
@@ -418,10 +453,15 @@ def seeds_markdown(data: Mapping[str, Any]) -> str:
     if built:
         for row, e in zip(rows, data["systems"].values()):
             row.append(_num(e.get("construction_tokens_per_example")))
+    found = any("evidence_recall" in e for e in data["systems"].values())
+    if found:
+        for row, e in zip(rows, data["systems"].values()):
+            row.append(_pct(e.get("evidence_recall"), 1))
     metric = next(iter(data["systems"].values()))["metric"]
     parts = [f"# {data['title']}",
              _table(["system", "seeds", f"{metric} (%) mean [95 % CI over seeds]", "per seed (%)", "n per seed",
-                     "#Tok", "memory tokens", "latency (s)"] + (["construction tokens per example"] if built else []),
+                     "#Tok", "memory tokens", "latency (s)"] + (["construction tokens per example"] if built else [])
+                    + (["evidence recall (%), mean over seeds"] if found else []),
                     rows),
              "The interval is Student's t over the seeds' results (how much another training run may differ); "
              "each seed's own question-level interval is in its comparison.md. One seed has no interval."]

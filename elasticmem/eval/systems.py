@@ -136,12 +136,31 @@ class ElasticMemSystem:
                          for j, (r, s, b, c) in enumerate(traj.memories(i))]
             generated = int(traj.answer_mask[i].sum())
             memory = int(traj.memory_tokens[i])
+            extra: dict = {"control_token": int(traj.control[i])} if int(traj.control[i]) >= 0 else {}
+            evidence = self._evidence(ex)
+            if evidence is not None:
+                extra["evidence"] = evidence
             out.append(Prediction(
                 id=ex.id, text=traj.answers[i], prompt_tokens=int(traj.num_tokens[i]) - memory - generated,
                 memory_tokens=memory, generated_tokens=generated, retrieved=retrieved, latency=dict(latency),
-                extra={"control_token": int(traj.control[i])} if int(traj.control[i]) >= 0 else {},
+                extra=extra,
             ))
         return out
+
+    def _evidence(self, ex: Example) -> dict | None:
+        """The bank rows holding ``ex``'s evidence turns and its group's row count, for the
+        evidence-recall figures of ``results.json`` (``metrics.evidence_stats``); None when the
+        example has no evidence or the bank's chunks do not record their turns (an old bank)."""
+        from elasticmem.eval.retrieval import evidence_rows
+
+        if not ex.extra.get("evidence"):
+            return None
+        bank = self.model.bank
+        try:
+            rows = evidence_rows(ex, bank)
+        except ValueError:  # chunks without session/turns: recall cannot be scored, the answers still can
+            return None
+        return {"rows": sorted(rows), "group_rows": int(bank.group_row_ids(ex.group).numel())}
 
 
 def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream_dir: str | Path | None = None,

@@ -7,6 +7,7 @@ checkpoints or data), 2 processes == 1, checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -123,6 +124,44 @@ def test_memory_tokens_match_what_each_system_injects(variants_run):
         assert rec["tokens"]["memory"] == sum(injected)
         assert rec["tokens"]["total"] == rec["tokens"]["prompt"] + rec["tokens"]["memory"] + rec["tokens"]["generated"]
     assert all(max(r["budgets"], default=0) <= 1 for r in _records(out / "clip1" / "predictions.jsonl"))
+
+
+def test_evidence_recall_is_recounted_from_the_data_and_the_bank(variants_run):
+    """Each record's evidence rows are the bank chunks holding the question's evidence turns
+    (looked up here from chunks.jsonl's session/turns and the split file), and results.json's
+    recall, chance and accuracy given a hit are recounted from the predictions."""
+    from elasticmem.bank import Bank
+
+    root, out = variants_run
+    bank = Bank.open(root / "bank")
+    holder = {(c["group"], c["session"], t): c["row"] for c in bank.chunks() for t in c["turns"]}
+    group_rows = {}
+    for c in bank.chunks():
+        group_rows[c["group"]] = group_rows.get(c["group"], 0) + 1
+    questions = {q["id"]: q for q in _records(root / "data" / "test.jsonl")}
+    for name in ("elasticmem", "text_rag", "full_context"):
+        recs = _records(out / name / "predictions.jsonl")
+        hits, chance, right_if_hit = [], [], []
+        for r in recs:
+            q = questions[r["id"]]
+            want = sorted({holder[(q["group"], s, t)] for s, t in q["evidence"] if (q["group"], s, t) in holder})
+            assert want, r["id"]  # every synthetic question states its fact in the history
+            assert r["extra"]["evidence"] == {"rows": want, "group_rows": group_rows[q["group"]]}, (name, r["id"])
+            got = {int(m["ref"].split(":")[1]) for m in r["retrieved"]}
+            hits.append(bool(got & set(want)))
+            m, k, e = group_rows[q["group"]], len(got), len(want)
+            chance.append(1 - math.comb(m - e, k) / math.comb(m, k))
+            if hits[-1]:
+                right_if_hit.append(r["correct"])
+        res = json.loads((out / name / "results.json").read_text())["evidence_retrieval"]
+        assert res["n"] == len(recs) == 24 and res["hits"] == sum(hits), name
+        assert res["recall_any"] == pytest.approx(sum(hits) / 24) and res["n_hit"] == sum(hits)
+        assert res["random_recall_any"] == pytest.approx(sum(chance) / 24)
+        if right_if_hit:
+            assert res["accuracy_given_hit"] == pytest.approx(sum(right_if_hit) / len(right_if_hit))
+        assert "## Evidence retrieval" in (out / name / "report.md").read_text()
+    assert "evidence_retrieval" not in json.loads((out / "no_memory" / "results.json").read_text())
+    assert "| elasticmem | 24 | " in (out / "comparison.md").read_text().split("## Evidence retrieval")[1]
 
 
 def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup, tmp_path):  # noqa: F811

@@ -354,6 +354,52 @@ def test_construction_cost_is_counted_once_per_conversation_apart_from_answering
     assert "construction" not in comparison_markdown({"no_memory": results["no_memory"]})
 
 
+def test_evidence_recall_chance_and_accuracy_given_a_hit():
+    """Four questions of groups of 10 rows, retrieving 2 rows (one retrieves none); worked by hand.
+
+    q1: evidence {3}, retrieved [3, 5] -> hit (1 of 1), correct. q2: evidence {1, 2}, retrieved
+    [2, 9] -> hit (1 of 2), wrong. q3: evidence {4}, retrieved [7, 8] -> miss, correct.
+    q4: evidence {6}, nothing retrieved -> miss, wrong. q5: no evidence -> left out.
+    Chance of a hit with 2 of 10 rows: 1 evidence row 1 - C(9,2)/C(10,2) = 1 - 36/45 = 0.2;
+    2 evidence rows 1 - C(8,2)/C(10,2) = 1 - 28/45 = 17/45; with 0 rows retrieved 0.
+    """
+    from elasticmem.eval.report import comparison_markdown, results_markdown, seeds_data, seeds_markdown
+
+    def q(correct, evidence, rows):
+        r = rec("single", correct, retrieved=[{"rank": i, "ref": f"row:{x}", "score": 0.5, "budget": 1, "tokens": 1,
+                                              "text": ""} for i, x in enumerate(rows)])
+        if evidence is not None:
+            r["extra"] = {"evidence": {"rows": evidence, "group_rows": 10}}
+        return r
+
+    records = [q(True, [3], [3, 5]), q(False, [1, 2], [2, 9]), q(True, [4], [7, 8]), q(False, [6], []),
+               q(True, None, [1, 2])]
+    e = M.evidence_stats(records)
+    assert e["n"] == 4 and e["n_no_evidence"] == 1 and e["hits"] == 2 and e["recall_any"] == 0.5
+    assert e["recall_frac"] == pytest.approx((1 + 0.5 + 0 + 0) / 4)
+    assert e["mean_retrieved"] == pytest.approx(6 / 4)
+    assert e["random_recall_any"] == pytest.approx((0.2 + 17 / 45 + 0.2 + 0) / 4)
+    assert (e["n_hit"], e["accuracy_given_hit"], e["n_miss"], e["accuracy_given_miss"]) == (2, 0.5, 2, 0.5)
+    lo, hi = e["recall_any_ci95"]
+    assert lo < 0.5 < hi
+    results = M.build_results(records)
+    assert results["evidence_retrieval"] == e
+    # no evidence recorded, or nothing retrieved: no figure rather than a made-up 0
+    assert M.evidence_stats([rec("single", True)]) is None
+    assert M.evidence_stats([q(True, [3], []), q(False, [4], [])]) is None
+    assert "evidence_retrieval" not in M.build_results([q(True, [3], [])])
+    # an all-hit set has no accuracy-given-miss (None, shown as –), not a 0
+    all_hit = M.evidence_stats([q(True, [3], [3, 5])])
+    assert all_hit["n_miss"] == 0 and all_hit["accuracy_given_miss"] is None
+    assert "## Evidence retrieval" in results_markdown(results)
+    table = comparison_markdown({"with": results, "without": M.build_results([rec("single", True)])})
+    rows = [line for line in table.split("## Evidence retrieval")[1].splitlines() if line.startswith("| ")]
+    # header and one system (without has no retrieval); chance (0.2 + 17/45 + 0.2 + 0) / 4 = 19.4 %
+    assert len(rows) == 2 and rows[1].startswith("| with | 4 | 50.0 [") and "| 19.4 | 1.5 |" in rows[1]
+    seeds = seeds_data({"with": [results, results]})
+    assert seeds["systems"]["with"]["evidence_recall"] == 0.5 and "evidence recall" in seeds_markdown(seeds)
+
+
 def test_build_results_free_form_and_success_rate(wordnet_home, punkt_tab):
     r1 = rec("1", True, prediction="The cat sat.", gold="the cat, the dog")  # F1 2/3 (above)
     r2 = rec("2", False, prediction="london", gold="paris")  # F1 0

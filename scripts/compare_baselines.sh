@@ -11,10 +11,12 @@
 #
 # Environment: OUT (runs/compare), CONFIG (configs/quickstart.yaml), SEEDS ("0 1 2"), JOBS (2:
 # processes at once, each with one torch thread), SYSTEMS (the systems to evaluate: elasticmem,
-# elasticmem_no_memory, memgen, text_rag, no_memory, mem0, langmem, amem), MEMGEN_SFT (1),
-# MEMGEN_STEPS (28), MEMGEN_BATCH (2). elasticmem_no_memory is the memory ablation: each seed's
-# ElasticMem checkpoint (its LoRA) answering with nothing retrieved (eval.system=no_memory), so
-# ElasticMem's gain over it is its memory's, and its gain over no_memory is the training's.
+# elasticmem_no_memory, elasticmem_text, memgen, text_rag, no_memory, mem0, langmem, amem),
+# MEMGEN_SFT (1), MEMGEN_STEPS (28), MEMGEN_BATCH (2). elasticmem_no_memory is the memory ablation:
+# each seed's ElasticMem checkpoint (its LoRA) answering with nothing retrieved
+# (eval.system=no_memory), so ElasticMem's gain over it is its memory's, and its gain over
+# no_memory is the training's. elasticmem_text is the reading ablation: the same checkpoint, so
+# the same retrieved chunks, read as text (eval.system=text_rag) instead of latent tokens.
 # Training budget: ElasticMem trains as the preset does (warm-up 24 steps x 8 teacher-forced
 # questions, then 4 GRPO steps x 2 questions x G = 4): 28 optimizer steps. MemGen (MEMGEN_SFT=1)
 # gets the same supervision and steps with its native objectives: the same warm-up steps as its
@@ -32,7 +34,7 @@ OUT=${OUT:-runs/compare}
 CONFIG=${CONFIG:-configs/quickstart.yaml}
 SEEDS=${SEEDS:-0 1 2}
 JOBS=${JOBS:-2}
-SYSTEMS=${SYSTEMS:-elasticmem elasticmem_no_memory memgen text_rag no_memory mem0 langmem amem}
+SYSTEMS=${SYSTEMS:-elasticmem elasticmem_no_memory elasticmem_text memgen text_rag no_memory mem0 langmem amem}
 MEMGEN_STEPS=${MEMGEN_STEPS:-28}
 MEMGEN_BATCH=${MEMGEN_BATCH:-2}
 MEMGEN_SFT=${MEMGEN_SFT:-1}
@@ -70,7 +72,7 @@ fi
 {
   for s in $SEEDS; do
     d="$OUT/s$s"
-    if { has elasticmem || has elasticmem_no_memory; } && [ ! -f "$d/elasticmem/final/elasticmem_config.json" ]; then
+    if { has elasticmem || has elasticmem_no_memory || has elasticmem_text; } && [ ! -f "$d/elasticmem/final/elasticmem_config.json" ]; then
       echo "python -m elasticmem.warmup.reading --config $CONFIG $(q "${COMMON[@]}") seed=$s warmup.output_dir=$d/warmup \
 >$OUT/logs/warmup_s$s.log 2>&1 && python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s \
 train.init_from=$d/warmup/final train.output_dir=$d/elasticmem >$OUT/logs/elasticmem_s$s.log 2>&1"
@@ -101,6 +103,7 @@ ev() {  # name, overrides...
     has elasticmem && ev "elasticmem@$s" eval.system=elasticmem eval.checkpoint="$OUT/s$s/elasticmem/final"
     has elasticmem_no_memory && ev "elasticmem_no_memory@$s" eval.system=no_memory \
       eval.checkpoint="$OUT/s$s/elasticmem/final"
+    has elasticmem_text && ev "elasticmem_text@$s" eval.system=text_rag eval.checkpoint="$OUT/s$s/elasticmem/final"
     has memgen && ev "memgen@$s" eval.system=memgen "${MEMGEN[0]}" eval.checkpoint="$OUT/s$s/memgen/final"
   done
   for sys in text_rag no_memory; do
@@ -119,10 +122,10 @@ ev() {  # name, overrides...
 # 4. the reports: comparison.md of the first seed, seeds.md over all seeds
 first=${SEEDS%% *}
 names=() files=() groups=()
-for sys in elasticmem elasticmem_no_memory memgen text_rag no_memory mem0 langmem amem; do
+for sys in elasticmem elasticmem_no_memory elasticmem_text memgen text_rag no_memory mem0 langmem amem; do
   has "$sys" || continue
   case $sys in
-    elasticmem|elasticmem_no_memory|memgen)
+    elasticmem|elasticmem_no_memory|elasticmem_text|memgen)
       names+=("$sys@$first"); files+=("$OUT/eval/$sys@$first/$sys@$first/results.json")
       g=""; for s in $SEEDS; do g="$g,$OUT/eval/$sys@$s/$sys@$s/results.json"; done
       groups+=("$sys=${g#,}") ;;

@@ -1,7 +1,7 @@
 """scripts/compare_baselines.sh on the tiny preset: data and bank once, ElasticMem (warm-up then GRPO)
 and MemGen (weaver SFT then GRPO) trained at two seeds as separate processes, every system evaluated on the same test
-questions (with ElasticMem's memory ablation: each seed's checkpoint with nothing retrieved), then comparison.md and
-seeds.md; a rerun starts nothing and reports the same.
+questions (with ElasticMem's ablations: each seed's checkpoint with nothing retrieved, and reading its retrieved chunks
+as text), then comparison.md and seeds.md; a rerun starts nothing and reports the same.
 
     pytest tests/integration/test_compare_baselines.py -q       # ~1 min on 2 cores
 """
@@ -19,8 +19,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compare_baselines.sh"
-SYSTEMS = ["elasticmem", "elasticmem_no_memory", "memgen", "text_rag", "no_memory"]
-TRAINED = ("elasticmem", "elasticmem_no_memory", "memgen")
+SYSTEMS = ["elasticmem", "elasticmem_no_memory", "elasticmem_text", "memgen", "text_rag", "no_memory"]
+TRAINED = ("elasticmem", "elasticmem_no_memory", "elasticmem_text", "memgen")
 OVERRIDES = ["data.synthetic.num_histories=40", "warmup.steps=2", "warmup.align_steps=0", "train.max_steps=30",
              "train.save_every=0", "memgen.prompt_latents=2", "memgen.inference_latents=2", "memgen.trigger_hidden=16"]
 
@@ -87,6 +87,15 @@ def test_trains_every_seed_evaluates_every_system_and_resumes(tmp_path):
         em = out / "eval" / f"elasticmem@{s}" / f"elasticmem@{s}"
         with_memory = [json.loads(line) for line in (em / "predictions.jsonl").read_text().splitlines()]
         assert sum(r["tokens"]["memory"] for r in with_memory) > 0
+        # the reading ablation: the same checkpoint retrieves the same rows, read as text
+        d = out / "eval" / f"elasticmem_text@{s}" / f"elasticmem_text@{s}"
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        assert cfg["eval"]["system"] == "text_rag"
+        assert cfg["eval"]["checkpoint"] == str(out / f"s{s}" / "elasticmem" / "final")
+        as_text = {r["id"]: r for r in map(json.loads, (d / "predictions.jsonl").read_text().splitlines())}
+        for r in with_memory:
+            assert [m["ref"] for m in as_text[r["id"]]["retrieved"]] == [m["ref"] for m in r["retrieved"]]
+            assert all(m["budget"] is None for m in as_text[r["id"]]["retrieved"])
     comparison = json.loads((out / "comparison.json").read_text())
     assert "elasticmem@0" in json.dumps(comparison) and (out / "comparison.md").is_file()
 

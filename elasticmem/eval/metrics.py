@@ -282,21 +282,20 @@ def evidence_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
         return [int(m["ref"][4:]) for m in r.get("retrieved", []) if str(m.get("ref", "")).startswith("row:")]
 
     scored = [r for r in records if ((r.get("extra") or {}).get("evidence") or {}).get("rows")]
-    if not scored or not any(rows(r) for r in scored):
+    got = [rows(r) for r in scored]
+    if not any(got):
         return None
-    hit, frac, chance = [], [], []
-    for r in scored:
-        ev, got = set(r["extra"]["evidence"]["rows"]), rows(r)
-        found = len(ev & set(got))
-        hit.append(found > 0)
-        frac.append(found / len(ev))
-        chance.append(random_recall([r["extra"]["evidence"]["group_rows"]], [ev], [len(got)])[f"recall_any@{len(got)}"])
+    evidence = [set(r["extra"]["evidence"]["rows"]) for r in scored]
+    found = [len(ev & set(g)) for ev, g in zip(evidence, got)]
+    hit = [f > 0 for f in found]
+    chance = [random_recall([r["extra"]["evidence"]["group_rows"]], [ev], [len(g)])[f"recall_any@{len(g)}"]
+              for r, ev, g in zip(scored, evidence, got)]
     n = len(scored)
     recall, _, ci = accuracy_with_interval(hit)
-    out: dict[str, Any] = {"n": n, "n_no_evidence": len(records) - n,
-                           "mean_retrieved": sum(len(rows(r)) for r in scored) / n,
+    out: dict[str, Any] = {"n": n, "n_no_evidence": len(records) - n, "mean_retrieved": sum(map(len, got)) / n,
                            "recall_any": recall, "recall_any_ci95": ci, "hits": sum(hit),
-                           "recall_frac": sum(frac) / n, "random_recall_any": sum(chance) / n}
+                           "recall_frac": sum(f / len(ev) for f, ev in zip(found, evidence)) / n,
+                           "random_recall_any": sum(chance) / n}
     for name, want in (("hit", True), ("miss", False)):
         outcomes = [r["correct"] for r, h in zip(scored, hit) if h == want]
         acc, k, aci = accuracy_with_interval(outcomes)

@@ -637,6 +637,40 @@ def test_shared_prefix_prefill_generates_what_the_plain_prefill_does(tiny_backbo
     assert any(c.completion_tokens > 3 for c in got)
 
 
+def test_finished_rows_leave_the_batch_and_the_answers_stay_the_same(tiny_backbone, one_thread):
+    """drop_closed (the default): a row that has finished is taken out of the batch and its KV
+    cache, so later decoding steps run only the live rows; every answer, constrained or free,
+    equals that of decoding with the finished rows kept in (and of decoding each request alone),
+    greedy and sampled."""
+    from elasticmem.baselines.amem.llm import TransformersBackend
+
+    cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
+    reqs = [GenRequest(prompts.note_messages(text, "today"), 60, prompts.note_schema(cfg), kind="note")
+            for text in ("cat dog", "a much longer turn about the garden and the weather")]
+    reqs += [GenRequest(prompts.note_messages(text, "today"), n, None, kind="answer")
+             for text, n in (("x y", 2), ("zebra", 19), ("hi", 5))]
+    model, tok = tiny_backbone.model, tiny_backbone.tokenizer
+    kept = TransformersBackend(model, tok, batch_size=8, drop_closed=False)
+    dropped = TransformersBackend(model, tok, batch_size=8)
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kw: rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        expected = kept.generate(reqs)
+        n_kept = len(rows)
+        got = dropped.generate(reqs)
+    finally:
+        hook.remove()
+    assert got == expected
+    assert [dropped.generate([r])[0] for r in reqs] == expected
+    assert len({c.completion_tokens for c in got}) > 2  # the rows end at different steps
+    assert set(rows[1:n_kept]) == {len(reqs)}  # kept: every step runs the whole batch
+    steps = rows[n_kept + 2:]  # after the shared prefix and the rows' own prefill
+    assert steps[0] == len(reqs) and steps[-1] < len(reqs) - 1 and steps == sorted(steps, reverse=True)
+    assert sum(steps) < len(reqs) * len(steps)
+    assert dropped.generate(reqs, temperature=0.8, seed=3) == kept.generate(reqs, temperature=0.8, seed=3)
+
+
 # --------------------------------------------------------------------------- the LoCoMo command
 
 

@@ -451,14 +451,17 @@ class TransformersBackend:
     """Fewest common prompt tokens worth a prefill of their own."""
 
     def __init__(self, model, tokenizer, batch_size: int = 8, constrained: bool = True, name: str = "transformers",
-                 share_prefix: bool = True):
-        """``share_prefix``: prefill the batch's common prompt prefix once (``_prefill``)."""
+                 share_prefix: bool = True, drop_closed: bool = True):
+        """``share_prefix``: prefill the batch's common prompt prefix once (``_prefill``).
+        ``drop_closed``: take rows that have finished out of the batch (and their KV cache) instead
+        of feeding them padding until the longest row ends."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.constrained = constrained
         self.name = name
         self.share_prefix = share_prefix
+        self.drop_closed = drop_closed
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.eos_id = int(tokenizer.eos_token_id)
@@ -546,16 +549,23 @@ class TransformersBackend:
         pad = int(self.tokenizer.pad_token_id)
         cache = DynamicCache()
         logits, mask = self._prefill(token_ids, cache, pad)
+        live = list(range(len(rows)))  # the rows in the cache, in cache order
         while True:
-            steps: list[list[int]] = []
-            for b, row in enumerate(rows):
-                steps.append([] if row.closed else chooser.next_tokens(row, logits[b]))
-            if all(row.closed for row in rows):
+            steps = [[] if rows[i].closed else chooser.next_tokens(rows[i], logits[b]) for b, i in enumerate(live)]
+            if all(rows[i].closed for i in live):
                 break
+            if self.drop_closed and any(rows[i].closed for i in live):
+                # Rows finish at very different lengths (A-Mem's answers: 30 to 180 tokens in one
+                # batch); a finished row left in would cost as much per step as a live one.
+                keep = [b for b, i in enumerate(live) if not rows[i].closed]
+                index = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[torch.tensor(keep)]
+                steps, live = [steps[b] for b in keep], [live[b] for b in keep]
             width = max(len(t) for t in steps)
-            new_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            new_mask = torch.zeros((len(rows), width), dtype=mask.dtype)
-            new_pos = torch.zeros((len(rows), width), dtype=torch.long)
+            new_ids = torch.full((len(live), width), pad, dtype=torch.long)
+            new_mask = torch.zeros((len(live), width), dtype=mask.dtype)
+            new_pos = torch.zeros((len(live), width), dtype=torch.long)
             for b, toks in enumerate(steps):
                 n = len(toks)
                 if n:
@@ -567,7 +577,7 @@ class TransformersBackend:
             out = self.model(input_ids=new_ids, attention_mask=mask, position_ids=new_pos, cache=cache,
                              use_cache=True)
             last = torch.tensor([max(0, len(t) - 1) for t in steps], device=dev)
-            logits = out.logits[torch.arange(len(rows), device=dev), last].float()
+            logits = out.logits[torch.arange(len(live), device=dev), last].float()
             next_pos = next_pos + torch.tensor([len(t) for t in steps], device=next_pos.device)
         outs = []
         for row, pt in zip(rows, prompt_tokens):

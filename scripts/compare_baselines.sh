@@ -34,7 +34,8 @@ OUT=${OUT:-runs/compare}
 CONFIG=${CONFIG:-configs/quickstart.yaml}
 SEEDS=${SEEDS:-0 1 2}
 JOBS=${JOBS:-2}
-SYSTEMS=${SYSTEMS:-elasticmem elasticmem_no_memory elasticmem_text memgen text_rag no_memory mem0 langmem amem}
+ALL_SYSTEMS="elasticmem elasticmem_no_memory elasticmem_text memgen text_rag no_memory mem0 langmem amem"
+SYSTEMS=${SYSTEMS:-$ALL_SYSTEMS}
 MEMGEN_STEPS=${MEMGEN_STEPS:-28}
 MEMGEN_BATCH=${MEMGEN_BATCH:-2}
 MEMGEN_SFT=${MEMGEN_SFT:-1}
@@ -47,6 +48,7 @@ mkdir -p "$OUT/logs"
 COMMON=(data.dir="$OUT/data" bank.dir="$OUT/bank" "$@")
 
 has() { [[ " $SYSTEMS " == *" $1 "* ]]; }
+has_any() { local s; for s; do has "$s" && return 0; done; return 1; }
 log() { echo "[compare $(date +%H:%M:%S)] $*" >&2; }
 pool() {  # run each line of stdin as a bash command, at most $JOBS at once; fail if any failed
   local cmd failed=0 pid
@@ -72,7 +74,7 @@ fi
 {
   for s in $SEEDS; do
     d="$OUT/s$s"
-    if { has elasticmem || has elasticmem_no_memory || has elasticmem_text; } && [ ! -f "$d/elasticmem/final/elasticmem_config.json" ]; then
+    if has_any elasticmem elasticmem_no_memory elasticmem_text && [ ! -f "$d/elasticmem/final/elasticmem_config.json" ]; then
       echo "python -m elasticmem.warmup.reading --config $CONFIG $(q "${COMMON[@]}") seed=$s warmup.output_dir=$d/warmup \
 >$OUT/logs/warmup_s$s.log 2>&1 && python train.py --config $CONFIG $(q "${COMMON[@]}") seed=$s \
 train.init_from=$d/warmup/final train.output_dir=$d/elasticmem >$OUT/logs/elasticmem_s$s.log 2>&1"
@@ -122,7 +124,7 @@ ev() {  # name, overrides...
 # 4. the reports: comparison.md of the first seed, seeds.md over all seeds
 first=${SEEDS%% *}
 names=() files=() groups=()
-for sys in elasticmem elasticmem_no_memory elasticmem_text memgen text_rag no_memory mem0 langmem amem; do
+for sys in $ALL_SYSTEMS; do
   has "$sys" || continue
   case $sys in
     elasticmem|elasticmem_no_memory|elasticmem_text|memgen)

@@ -560,7 +560,7 @@ class TransformersBackend:
                 keep = [b for b, i in enumerate(live) if not rows[i].closed]
                 index = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(index)
-                mask, next_pos = mask[index], next_pos[torch.tensor(keep)]
+                mask, next_pos = mask[index], next_pos[keep]
                 steps, live = [steps[b] for b in keep], [live[b] for b in keep]
             width = max(len(t) for t in steps)
             new_ids = torch.full((len(live), width), pad, dtype=torch.long)

@@ -23,9 +23,10 @@ if python -c "import deepspeed" >/dev/null 2>&1; then
 fi
 # Two pytest-xdist workers, one file each at a time (module fixtures such as test_serve.py's server and
 # test_slurm.py's cluster stay in one process); TEST_WORKERS=1 runs the suite in one process.
+# --durations lists the slowest tests, so a CI log shows where the 20-minute budget goes.
 WORKERS=${TEST_WORKERS:-2}
 if [ "$WORKERS" -gt 1 ]; then
-  python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@"
+  python -m pytest -q -ra --durations=15 -n "$WORKERS" --dist loadfile "$@"
 else
-  python -m pytest -q -ra "$@"
+  python -m pytest -q -ra --durations=15 "$@"
 fi

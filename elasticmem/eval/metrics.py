@@ -232,7 +232,9 @@ def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
     Read once per conversation from the records' ``extra[system]`` (``group`` and ``build``):
     Mem0 / LangMem's ``build`` holds the endpoint's counters (calls, prompt and completion
     tokens, seconds, failures, memories stored), A-Mem's holds notes added and tokens and
-    seconds per note. ``tokens`` sums every construction token of every conversation;
+    seconds per note; where A-Mem's memory holds more notes (``notes_in_memory``) than its cost
+    covers (a store begun before its journal kept costs), ``notes_unmeasured`` counts the
+    difference. ``tokens`` sums every construction token of every conversation;
     ``tokens_per_example`` spreads it over the evaluated examples (add it to ``avg_tokens`` for
     the whole cost), ``tokens_per_group`` over the conversations; the other counters are sums.
     """
@@ -240,7 +242,10 @@ def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
     for r in records:
         for name, e in (r.get("extra") or {}).items():
             if isinstance(e, Mapping) and isinstance(e.get("build"), Mapping) and "group" in e:
-                builds[(name, str(e["group"]))] = e["build"]
+                b = dict(e["build"])
+                if "notes_in_memory" in e and "notes_added" in b:
+                    b["notes_unmeasured"] = max(0, int(e["notes_in_memory"]) - int(b["notes_added"]))
+                builds[(name, str(e["group"]))] = b
     if not builds:
         return None
     sums: dict[str, float] = defaultdict(float)
@@ -254,6 +259,8 @@ def construction_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
             notes = float(b.get("notes_added", 0) or 0)
             sums["tokens"] += notes * float(b.get("tokens_per_note", 0) or 0)
             sums["seconds"] += notes * float(b.get("seconds_per_note", 0) or 0)
+    if not sums.get("notes_unmeasured"):
+        sums.pop("notes_unmeasured", None)
     return {"groups": len(builds), **dict(sorted(sums.items())),
             "tokens_per_example": sums["tokens"] / len(records), "tokens_per_group": sums["tokens"] / len(builds)}
 

@@ -76,6 +76,15 @@ def _num(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{float(x):.{digits}f}"
 
 
+def _construction_cell(tokens_per_example: float | None, unmeasured: float | None) -> str:
+    """Construction tokens per example, saying how many notes it leaves out where a resumed
+    memory store was begun before its journal kept costs."""
+    cell = _num(tokens_per_example)
+    if unmeasured:
+        cell += f" (without the {int(unmeasured):,} notes built before costs were kept)"
+    return cell
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub-flavoured markdown table (``|`` in cells escaped)."""
     esc = lambda c: str(c).replace("|", "\\|")
@@ -352,7 +361,8 @@ def comparison_markdown(results: Mapping[str, Results], title: str = "Comparison
                     + [_num(r.get("avg_tokens")), _num(r.get("avg_B_mem")), _num(r.get("avg_memory_tokens")),
                        _num(r.get("latency_s_per_example"), 4)]
                     + [_num(split.get(s), 4) for s in LATENCY_STAGES]
-                    + ([_num(r.get("construction", {}).get("tokens_per_example"))] if built else []))
+                    + ([_construction_cell(r.get("construction", {}).get("tokens_per_example"),
+                                           r.get("construction", {}).get("notes_unmeasured"))] if built else []))
     parts = [f"# {title}"]
     few = [n for n, r in results.items() if int(r["num_examples"]) < stats.HEADLINE_MIN_N]
     if few:
@@ -429,6 +439,9 @@ def seeds_data(groups: Mapping[str, Sequence[Results]], title: str = "Across tra
         if any("construction" in r for r in runs):
             systems[name]["construction_tokens_per_example"] = sum(
                 float(r.get("construction", {}).get("tokens_per_example", 0.0)) for r in runs) / len(runs)
+            unmeasured = max(int(r.get("construction", {}).get("notes_unmeasured", 0)) for r in runs)
+            if unmeasured:
+                systems[name]["construction_notes_unmeasured"] = unmeasured
         if all(r.get("evidence_retrieval") for r in runs):
             systems[name]["evidence_recall"] = sum(r["evidence_retrieval"]["recall_any"] for r in runs) / len(runs)
     ref = next(iter(groups))
@@ -452,7 +465,8 @@ def seeds_markdown(data: Mapping[str, Any]) -> str:
     built = any("construction_tokens_per_example" in e for e in data["systems"].values())
     if built:
         for row, e in zip(rows, data["systems"].values()):
-            row.append(_num(e.get("construction_tokens_per_example")))
+            row.append(_construction_cell(e.get("construction_tokens_per_example"),
+                                          e.get("construction_notes_unmeasured")))
     found = any("evidence_recall" in e for e in data["systems"].values())
     if found:
         for row, e in zip(rows, data["systems"].values()):

@@ -347,6 +347,54 @@ def test_persistence_round_trips_and_a_loaded_memory_keeps_growing(tmp_path):
     assert _snapshot(third) == _snapshot(again)
 
 
+def _counts(stats: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in stats.items() if k != "seconds"}  # wall time differs from run to run
+
+
+def test_a_reopened_store_keeps_its_construction_cost(tmp_path):
+    """Each commit keeps its add's cost and the compacted journal their sum, so a build resumed
+    over several runs counts every note's tokens once: equal to the sum of the adds' own reports,
+    and to the same adds made in one memory that was never closed."""
+    texts = ["Ann: apple banana", "Bob: dog cat", "Ann: apple grape", "Cid: apple pie", "Bob: cat food"]
+    reports = []
+    mem = make_memory(ScriptedBackend(decision=[no_change, link_to("apple")]), tmp_path / "m", evolution_k=2)
+    reports += [mem.add(t) for t in texts[:2]]
+    again = make_memory(ScriptedBackend(decision=[link_to("apple")]), tmp_path / "m", evolution_k=2)  # journal
+    assert again.stats.counters() == pytest.approx(mem.stats.counters())
+    reports.append(again.add(texts[2]))
+    again.save()  # compacted: one commit line with the sum
+    third = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
+    assert third.stats.counters() == pytest.approx(again.stats.counters())
+    reports += [third.add(t) for t in texts[3:]]
+    last = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in reports)
+    assert last.stats.notes_added == 5 and last.notes_unmeasured == 0
+    assert last.stats.prompt_tokens + last.stats.completion_tokens == tokens > 0
+    assert last.stats.llm_calls == sum(r.llm_calls for r in reports)
+    assert last.stats.seconds == pytest.approx(sum(r.seconds for r in reports))
+    once = make_memory(ScriptedBackend(decision=[no_change, link_to("apple")]), evolution_k=2)
+    for t in texts:
+        once.add(t)
+    assert _snapshot(last) == _snapshot(once)
+    assert _counts(last.stats.counters()) == pytest.approx(_counts(once.stats.counters()))
+
+
+def test_a_journal_without_costs_counts_its_notes_as_unmeasured(tmp_path):
+    """Stores written before commits kept costs: their notes load, and the cost reported is the
+    new adds' with the older notes counted apart, not a smaller figure passed off as the whole."""
+    mem = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
+    for t in ("Ann: apple", "Bob: dog"):
+        mem.add(t)
+    journal = tmp_path / "m" / "notes.jsonl"
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    journal.write_text("".join(json.dumps({"commit": r["commit"]} if "commit" in r else r) + "\n" for r in lines))
+    old = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
+    assert len(old) == 2 and old.stats.notes_added == 0 and old.notes_unmeasured == 2
+    rep = old.add("Cid: apple pie")
+    assert old.stats.notes_added == 1 and old.notes_unmeasured == 2
+    assert old.stats.prompt_tokens + old.stats.completion_tokens == rep.prompt_tokens + rep.completion_tokens
+
+
 def test_store_refuses_another_build(tmp_path):
     make_memory(ScriptedBackend(), tmp_path / "m").add("Ann: hi there")
     with pytest.raises(Exception, match="another store_dir"):
@@ -357,18 +405,20 @@ def test_crash_between_records_and_commit_leaves_the_previous_memory(tmp_path, m
     mem = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
     mem.add("Ann: apple")
     mem.add("Ann: apple pie")
-    before = _snapshot(mem)
+    before, cost_before = _snapshot(mem), mem.stats.counters()
 
-    def crash(self, f, op):
+    def crash(self, f, op, cost):
         raise OSError("disk died")
 
     monkeypatch.setattr(NoteStore, "_write_commit", crash)
     with pytest.raises(OSError):
         mem.add("Ann: apple crumble")
     assert _snapshot(mem) == before and mem.op == 2  # RAM state unchanged too
+    assert mem.stats.counters() == cost_before  # the add that did not land cost nothing on record
     monkeypatch.undo()
     loaded = make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)
     assert _snapshot(loaded) == before
+    assert loaded.stats.counters() == pytest.approx(cost_before)
     loaded.add("Ann: apple crumble")
     assert len(make_memory(ScriptedBackend(), tmp_path / "m", evolution_k=2)) == 3
 
@@ -497,6 +547,13 @@ def test_system_resumes_a_partially_built_store(tmp_path):
     sys2.predict(_examples()[:1])
     assert be2.kinds().count("note") == 1  # only the third turn was added
     assert sorted(sys2.memories["g1"].items_meta("turn")) == [0, 1, 2]
+    # the construction cost covers both runs, as if built in one
+    once = AMemSystem(AMemConfig(embedder="hashing"), llm=StructuredLLM(ScriptedBackend()), embedder=HashingEmbedder())
+    p_once = once.predict(_examples()[:1])[0]
+    p_resumed = sys2.predict(_examples()[:1])[0]
+    assert p_resumed.extra["amem"]["build"]["notes_added"] == 3 == p_once.extra["amem"]["build"]["notes_added"]
+    assert p_resumed.extra["amem"]["build"]["tokens_per_note"] == p_once.extra["amem"]["build"]["tokens_per_note"]
+    assert sys2.stats()["build"]["notes_unmeasured"] == 0
 
 
 def test_query_expansion_adds_llm_keywords_to_the_query():

@@ -354,6 +354,31 @@ def test_construction_cost_is_counted_once_per_conversation_apart_from_answering
     assert "construction" not in comparison_markdown({"no_memory": results["no_memory"]})
 
 
+def test_construction_cost_says_how_many_notes_it_leaves_out():
+    """A-Mem's store resumed from a journal that kept no costs: the tables give the measured cost
+    and say how many notes it does not count, rather than pass it off as the whole build's."""
+    from elasticmem.eval.report import comparison_markdown, seeds_data, seeds_markdown
+
+    def amem(group, unmeasured):
+        r = rec("single", True)
+        build = {"notes_added": 2, "tokens_per_note": 100.0, "seconds_per_note": 1.0}
+        r["extra"] = {"amem": {"group": group, "notes_in_memory": 2 + unmeasured, "build": build}}
+        return r
+
+    partial = M.build_results([amem("g1", 3), amem("g2", 1500)])
+    assert partial["construction"]["notes_unmeasured"] == 1503 and partial["construction"]["tokens"] == 400
+    whole = M.build_results([amem("g1", 0), amem("g2", 0)])
+    assert "notes_unmeasured" not in whole["construction"]
+    table = comparison_markdown({"whole": whole, "partial": partial})
+    row = next(line for line in table.splitlines() if line.startswith("| partial "))
+    assert row.rstrip(" |").endswith("200.0 (without the 1,503 notes built before costs were kept)")
+    assert next(line for line in table.splitlines() if line.startswith("| whole ")).rstrip(" |").endswith("200.0")
+    seeds = seeds_data({"whole": [whole] * 2, "partial": [partial] * 2})
+    assert seeds["systems"]["partial"]["construction_notes_unmeasured"] == 1503
+    assert "construction_notes_unmeasured" not in seeds["systems"]["whole"]
+    assert "200.0 (without the 1,503 notes" in seeds_markdown(seeds)
+
+
 def test_evidence_recall_chance_and_accuracy_given_a_hit():
     """Four questions of groups of 10 rows, retrieving 2 rows (one retrieves none); worked by hand.
 

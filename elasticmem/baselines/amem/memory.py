@@ -86,6 +86,9 @@ class AddReport:
 
 @dataclass
 class MemoryStats:
+    """A memory's construction counters over every run that built it (a reopened store restores
+    its earlier runs' from the journal)."""
+
     notes_added: int = 0
     seconds: float = 0.0
     llm_calls: int = 0
@@ -97,16 +100,22 @@ class MemoryStats:
     decisions: int = 0
     """Adds that made a link/evolution decision (every add after the first, unless wo_lg_me)."""
 
-    def record(self, r: AddReport, decided: bool) -> None:
-        self.notes_added += 1
-        self.seconds += r.seconds
-        self.llm_calls += r.llm_calls
-        self.prompt_tokens += r.prompt_tokens
-        self.completion_tokens += r.completion_tokens
-        self.fallbacks += r.fallbacks
-        self.links_added += len(r.links)
-        self.neighbours_evolved += len(r.evolved)
-        self.decisions += int(decided)
+    @staticmethod
+    def cost(r: AddReport, decided: bool) -> dict[str, float]:
+        """One add's increment of every counter: what its journal commit keeps."""
+        return {"notes_added": 1, "seconds": r.seconds, "llm_calls": r.llm_calls, "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens, "fallbacks": r.fallbacks, "links_added": len(r.links),
+                "neighbours_evolved": len(r.evolved), "decisions": int(decided)}
+
+    def add(self, cost: dict[str, float]) -> None:
+        """Add a :meth:`cost` (or a journal's sum of them) to the counters."""
+        for k, v in cost.items():
+            if k in self.__dataclass_fields__:
+                cur = getattr(self, k)
+                setattr(self, k, type(cur)(cur + v))
+
+    def counters(self) -> dict[str, float]:
+        return asdict(self)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,7 +195,8 @@ class AgenticMemory:
             raise StoreError(f"{path} was built with {manifest.get('build')}, this run uses {build}; "
                              "use another store_dir to keep both")
         mem = cls(cfg, llm, embedder, store, manifest)
-        notes, op = store.replay()
+        notes, op, cost = store.replay()
+        mem.stats.add(cost)  # earlier runs' construction cost: a resumed build reports all of it
         mem.notes = dict(sorted(notes.items(), key=lambda kv: kv[1].seq))
         mem.by_seq = {n.seq: n.id for n in mem.notes.values()}
         mem.op = op
@@ -209,8 +219,14 @@ class AgenticMemory:
     def save(self) -> None:
         """Snapshot the vectors and compact the journal (no-op for an in-RAM memory)."""
         if self.store is not None:
-            self.store.snapshot(self.notes.values(), self.index, self.op, self.manifest)
+            self.store.snapshot(self.notes.values(), self.index, self.op, self.manifest, self.stats.counters())
             self._since_snapshot = 0
+
+    @property
+    def notes_unmeasured(self) -> int:
+        """Notes whose construction cost is not in ``stats``: those of a journal written before
+        commits kept their cost."""
+        return max(0, len(self.notes) - self.stats.notes_added)
 
     def __len__(self) -> int:
         return len(self.notes)
@@ -266,11 +282,14 @@ class AgenticMemory:
         return GenRequest(prompts.decision_messages(self.cfg, note, neighbours), self.cfg.max_new_tokens,
                           prompts.decision_schema(self.cfg, [n.id for n in neighbours], note.id), kind="decision")
 
-    def commit(self, note: Note, neighbours: Sequence[Note], decision: CallResult | None) -> tuple[list[str], list[str]]:
-        """Apply the decision, re-embed what changed, journal the add, insert the note.
+    def commit(self, note: Note, neighbours: Sequence[Note], decision: CallResult | None,
+               calls: Sequence[CallResult] = (), seconds: float = 0.0) -> AddReport:
+        """Apply the decision, re-embed what changed, journal the add with its cost, insert the note.
 
-        Returns (links added, ids of evolved neighbours).
+        ``calls`` are the add's LLM calls and ``seconds`` its time before this step; the report
+        counts them and is added to ``stats`` once the add is journaled.
         """
+        t0 = time.perf_counter()
         op = self.op + 1
         note.updated_op = op
         tags_before = list(note.tags)
@@ -306,8 +325,15 @@ class AgenticMemory:
         vecs = self.embedder.encode([n.embedding_text() for n in changed + evolved]) if changed or evolved else []
         for n, v in zip(changed + evolved, vecs):
             n.embedding = v
+        report = AddReport(
+            note_id=note.id, neighbours=[n.id for n in neighbours], links=links, evolved=[n.id for n in evolved],
+            llm_calls=len(calls), prompt_tokens=sum(c.prompt_tokens for c in calls),
+            completion_tokens=sum(c.completion_tokens for c in calls), fallbacks=sum(int(c.fallback) for c in calls),
+            seconds=seconds + (time.perf_counter() - t0))
+        cost = MemoryStats.cost(report, decided=decision is not None)
         if self.store is not None:
-            self.store.append(op, [note, *evolved])  # raises -> nothing below happens, memory unchanged
+            self.store.append(op, [note, *evolved], cost)  # raises -> nothing below happens, memory unchanged
+        self.stats.add(cost)
         self.op = op
         for upd in evolved:
             self.notes[upd.id] = upd
@@ -317,7 +343,7 @@ class AgenticMemory:
         self._since_snapshot += 1
         if self.store is not None and self._since_snapshot >= self.cfg.save_every:
             self.save()
-        return links, [n.id for n in evolved]
+        return report
 
     # ------------------------------------------------------------------ retrieval
 
@@ -398,21 +424,9 @@ def build_memories(memories: Sequence[AgenticMemory], items: Sequence[Sequence[M
             by_m = {p[0]: a for p, a in zip(asked, answers)}
             per_note_decide = (time.perf_counter() - t1) / max(1, len(active))
             for m, note, nbs, req in pending:
-                t2 = time.perf_counter()
-                mem = memories[m]
                 decision = by_m.get(m)
-                links, evolved = mem.commit(note, nbs, decision)
-                note_res = built[(m, j)][1]
-                calls = [note_res] + ([decision] if decision is not None else [])
-                rep = AddReport(
-                    note_id=note.id, neighbours=[n.id for n in nbs], links=links, evolved=evolved,
-                    llm_calls=len(calls), prompt_tokens=sum(c.prompt_tokens for c in calls),
-                    completion_tokens=sum(c.completion_tokens for c in calls),
-                    fallbacks=sum(int(c.fallback) for c in calls),
-                    seconds=per_note_build + per_note_decide + (time.perf_counter() - t2),
-                )
-                mem.stats.record(rep, decided=decision is not None)
-                reports[m].append(rep)
+                calls = [built[(m, j)][1]] + ([decision] if decision is not None else [])
+                reports[m].append(memories[m].commit(note, nbs, decision, calls, per_note_build + per_note_decide))
             if progress:
                 done = sum(len(r) for r in reports)
                 total = sum(len(x) for x in items)

@@ -3,7 +3,7 @@
 Layout::
 
     manifest.json   {format_version, embedder, dim, build, vectors_op}
-    notes.jsonl     journal: {"op": n, "note": {...}} records, then {"commit": n}, per add
+    notes.jsonl     journal: {"op": n, "note": {...}} records, then {"commit": n, "cost": {...}}, per add
     vectors.faiss   snapshot of the vector index (IndexIDMap2 over IndexFlatIP, id = note seq)
 
 Each ``add`` appends the new note and every neighbour it changed, then a commit line (flushed
@@ -14,6 +14,11 @@ and on ``save()`` (file written to a temp name, then ``os.replace``); notes chan
 snapshot (``note.updated_op > manifest.vectors_op``) are re-embedded when the memory is loaded.
 Re-embedding is deterministic, so a crash between writing the index and the manifest only costs
 some recomputation. ``save()`` also compacts the journal to one record per note.
+
+A commit line carries what its add cost (LLM calls, tokens, seconds) and the compacted journal's
+one commit line the sum so far (``"stats"``), so a build resumed over several runs reports its
+whole construction cost. Journals written before costs were kept have commits without them;
+their notes count as built at an unrecorded cost.
 """
 
 from __future__ import annotations
@@ -153,23 +158,25 @@ class NoteStore:
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         _write_atomic(self.manifest_path, json.dumps(manifest, indent=2).encode(), self.fsync)
 
-    def append(self, op: int, notes: Sequence[Note]) -> None:
-        """Journal one add: its notes, then the commit line that makes them count."""
+    def append(self, op: int, notes: Sequence[Note], cost: dict[str, float] | None = None) -> None:
+        """Journal one add: its notes, then the commit line (with the add's ``cost``) that makes
+        them count."""
         records = "".join(json.dumps({"op": op, "note": n.to_json()}, ensure_ascii=False) + "\n" for n in notes)
         with open(self.journal_path, "a", encoding="utf-8") as f:
             f.write(records)
             f.flush()
-            self._write_commit(f, op)
+            self._write_commit(f, op, cost)
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
 
-    def _write_commit(self, f, op: int) -> None:
+    def _write_commit(self, f, op: int, cost: dict[str, float] | None) -> None:
         # A separate method so that tests can fail here, i.e. crash between records and commit.
-        f.write(json.dumps({"commit": op}) + "\n")
+        f.write(json.dumps({"commit": op, **({"cost": cost} if cost else {})}) + "\n")
 
-    def replay(self) -> tuple[dict[str, Note], int]:
-        """Notes as of the last committed add, and that add's number.
+    def replay(self) -> tuple[dict[str, Note], int, dict[str, float]]:
+        """Notes as of the last committed add, that add's number, and the committed adds' summed
+        cost (the compacted ``"stats"`` plus each later commit's ``"cost"``; empty if none kept one).
 
         A torn last line or records without a commit (a crash during ``append``) are cut off the
         file, so later appends start on a clean line.
@@ -178,8 +185,9 @@ class NoteStore:
         pending: list[Note] = []
         last_op = 0
         good_end = 0
+        totals: dict[str, float] = {}
         if not self.journal_path.exists():
-            return notes, 0
+            return notes, 0, totals
         with open(self.journal_path, "rb") as f:
             data = f.read()
         pos = 0
@@ -200,6 +208,10 @@ class NoteStore:
                     pending = []
                     last_op = int(rec["commit"])
                     good_end = min(end, len(data))
+                    if "stats" in rec:  # a compacted journal's sum so far
+                        totals = {k: float(v) for k, v in rec["stats"].items()}
+                    for k, v in (rec.get("cost") or {}).items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
                 else:
                     pending.append(Note.from_json(rec["note"]))
             pos = end
@@ -212,7 +224,7 @@ class NoteStore:
         elif data and not data.endswith(b"\n"):  # a commit torn just before its newline
             with open(self.journal_path, "ab") as f:
                 f.write(b"\n")
-        return notes, last_op
+        return notes, last_op, totals
 
     def load_vectors(self, dim: int) -> VectorIndex | None:
         if not self.vectors_path.is_file():
@@ -228,11 +240,13 @@ class NoteStore:
             logging.getLogger(__name__).warning("%s unreadable (%s); re-embedding the notes", self.vectors_path, e)
             return None
 
-    def snapshot(self, notes: Iterable[Note], index: VectorIndex, op: int, manifest: dict[str, Any]) -> None:
-        """Vectors, then the manifest saying which add they include, then the compacted journal."""
+    def snapshot(self, notes: Iterable[Note], index: VectorIndex, op: int, manifest: dict[str, Any],
+                 stats: dict[str, float] | None = None) -> None:
+        """Vectors, then the manifest saying which add they include, then the compacted journal
+        (its commit line carries ``stats``, the summed cost of the adds so far)."""
         index.save(self.vectors_path, self.fsync)
         manifest["vectors_op"] = op
         self.write_manifest(manifest)
         body = "".join(json.dumps({"op": op, "note": n.to_json()}, ensure_ascii=False) + "\n" for n in notes)
-        body += json.dumps({"commit": op}) + "\n"
+        body += json.dumps({"commit": op, **({"stats": stats} if stats else {})}) + "\n"
         _write_atomic(self.journal_path, body.encode("utf-8"), self.fsync)

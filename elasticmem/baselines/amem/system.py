@@ -233,6 +233,7 @@ class AMemSystem:
         build = dict(total)
         build["tokens_per_note"] = (total.get("prompt_tokens", 0) + total.get("completion_tokens", 0)) / n
         build["seconds_per_note"] = total.get("seconds", 0) / n
+        build["notes_unmeasured"] = sum(m.notes_unmeasured for m in self.memories.values())
         return {"system": self.name, "llm": self.llm.stats.to_dict(), "build": build,
                 "groups": {g: m.stats.to_dict() for g, m in self.memories.items()}}
 

@@ -271,8 +271,10 @@ def evidence_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
 
     Systems that retrieve bank rows (ElasticMem and the systems on its code path) record each
     question's evidence as ``extra["evidence"]`` = {``rows``: the bank rows holding an evidence
-    turn, ``group_rows``: the rows of its group}; retrieved rows are the ``row:N`` refs. Over the
-    n questions with evidence, with k = the rows retrieved for a question:
+    turn, ``group_rows``: the rows of its group}; retrieved rows are the ``row:N`` refs. Systems
+    with memories of their own (A-Mem's notes) record ``refs``, the refs of the memories holding
+    an evidence turn, and ``group_rows``, how many memories the group has; every retrieved ref
+    counts. Over the n questions with evidence, with k = the memories retrieved for a question:
 
     - ``recall_any`` (Wilson ``recall_any_ci95``, count ``hits``): any evidence row retrieved;
     - ``recall_frac``: mean fraction of a question's evidence rows retrieved;
@@ -285,14 +287,19 @@ def evidence_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
     from elasticmem.eval.retrieval import random_recall
     from elasticmem.eval.stats import accuracy_with_interval
 
-    def rows(r: Mapping[str, Any]) -> list[int]:
-        return [int(m["ref"][4:]) for m in r.get("retrieved", []) if str(m.get("ref", "")).startswith("row:")]
+    def wanted(r: Mapping[str, Any]) -> set[str]:
+        e = (r.get("extra") or {}).get("evidence") or {}
+        return {f"row:{x}" for x in e["rows"]} if e.get("rows") else {str(x) for x in e.get("refs") or ()}
 
-    scored = [r for r in records if ((r.get("extra") or {}).get("evidence") or {}).get("rows")]
-    got = [rows(r) for r in scored]
+    def refs(r: Mapping[str, Any], rows: bool) -> list[str]:
+        got = [str(m.get("ref", "")) for m in r.get("retrieved", [])]
+        return [g for g in got if g.startswith("row:")] if rows else got
+
+    scored = [r for r in records if wanted(r)]
+    got = [refs(r, bool(r["extra"]["evidence"].get("rows"))) for r in scored]
     if not any(got):
         return None
-    evidence = [set(r["extra"]["evidence"]["rows"]) for r in scored]
+    evidence = [wanted(r) for r in scored]
     found = [len(ev & set(g)) for ev, g in zip(evidence, got)]
     hit = [f > 0 for f in found]
     chance = [random_recall([r["extra"]["evidence"]["group_rows"]], [ev], [len(g)])[f"recall_any@{len(g)}"]

@@ -556,6 +556,30 @@ def test_system_resumes_a_partially_built_store(tmp_path):
     assert sys2.stats()["build"]["notes_unmeasured"] == 0
 
 
+def test_evidence_turns_are_scored_on_the_notes_that_hold_them():
+    """A question's [session, turn] evidence maps to the notes of those turns, so results.json
+    tells whether A-Mem retrieved its evidence (``metrics.evidence_stats``), as it does for
+    systems that retrieve bank rows."""
+    from elasticmem.eval import metrics as M
+
+    exs = _examples()
+    exs[1].extra["evidence"] = [[1, 0]]            # "We painted the kitchen blue": 3rd turn, n2
+    exs[0].extra["evidence"] = [[0, 0], [5, 0]]    # the puppy turn, and a session the memory lacks
+    system = AMemSystem(AMemConfig(embedder="hashing", retrieve_k=1, max_linked=0),
+                        llm=StructuredLLM(ScriptedBackend()), embedder=HashingEmbedder())
+    preds = system.predict(exs)
+    assert system.memories["g1"].get("n2").content == "Ann: We painted the kitchen blue"
+    assert preds[1].extra["evidence"] == {"refs": ["n2"], "group_rows": 3}
+    assert preds[0].extra["evidence"] == {"refs": ["n0"], "group_rows": 3}
+    assert "evidence" not in preds[2].extra
+    records = [M.make_record(p, question_type="single-hop", gold="", correct=c)
+               for p, c in zip(preds, (True, False, True))]
+    e = M.evidence_stats(records)
+    hits = [p.retrieved[0].ref == p.extra["evidence"]["refs"][0] for p in preds[:2]]
+    assert e["n"] == 2 and e["n_no_evidence"] == 1 and e["hits"] == sum(hits) and e["mean_retrieved"] == 1
+    assert e["random_recall_any"] == pytest.approx(1 / 3)
+
+
 def test_query_expansion_adds_llm_keywords_to_the_query():
     be = ScriptedBackend(expansion=[canonical({"keywords": ["kitchen", "paint"]})])
     cfg = AMemConfig(embedder="hashing", query_expansion=True)

@@ -423,6 +423,14 @@ def test_evidence_recall_chance_and_accuracy_given_a_hit():
     assert len(rows) == 2 and rows[1].startswith("| with | 4 | 50.0 [") and "| 19.4 | 1.5 |" in rows[1]
     seeds = seeds_data({"with": [results, results]})
     assert seeds["systems"]["with"]["evidence_recall"] == 0.5 and "evidence recall" in seeds_markdown(seeds)
+    # memories of a system's own (A-Mem's notes): evidence refs against every retrieved ref, the same figures
+    for r in records:
+        ev = (r.get("extra") or {}).get("evidence")
+        if ev:
+            r["extra"]["evidence"] = {"refs": [f"n{x}" for x in ev["rows"]], "group_rows": 10}
+        for m in r["retrieved"]:
+            m["ref"] = "n" + m["ref"][4:]
+    assert M.evidence_stats(records) == e
 
 
 def test_build_results_free_form_and_success_rate(wordnet_home, punkt_tab):

@@ -179,9 +179,18 @@ class AMemSystem:
                                      tokens=self.llm.count_tokens(h.note.render(cfg.answer_fields)))
                            for r, h in enumerate(hits)],
                 latency={"retrieval": t_retrieval, "generation": t_generation},
-                extra={"amem": extra},
+                extra={"amem": extra, **self._evidence(ex, mem)},
             ))
         return preds
+
+    @staticmethod
+    def _evidence(ex: Example, mem: AgenticMemory) -> dict[str, Any]:
+        """``{"evidence": ...}`` for ``metrics.evidence_stats``: the notes of ``ex``'s evidence
+        turns ([session, turn] positions) and the memory's size; empty when it has none of them."""
+        positions = {tuple(p) for p in ex.extra.get("evidence") or ()}
+        refs = [n.id for n in mem.notes.values()
+                if (n.meta.get("session"), n.meta.get("index")) in positions]
+        return {"evidence": {"refs": refs, "group_rows": len(mem)}} if refs else {}
 
     def _amem_answers(self, examples: Sequence[Example], retrieved) -> list[tuple[str, int, int, int]]:
         """(answer, prompt tokens, memory tokens, generated tokens) of each example from A-Mem's

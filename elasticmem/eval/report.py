@@ -79,6 +79,8 @@ def _num(x: float | None, digits: int = 1) -> str:
 def _construction_cell(tokens_per_example: float | None, unmeasured: float | None) -> str:
     """Construction tokens per example, saying how many notes it leaves out where a resumed
     memory store was begun before its journal kept costs."""
+    if unmeasured and not tokens_per_example:
+        return f"not recorded ({int(unmeasured):,} notes built before costs were kept)"
     cell = _num(tokens_per_example)
     if unmeasured:
         cell += f" (without the {int(unmeasured):,} notes built before costs were kept)"
@@ -192,9 +194,9 @@ def free_form_markdown(ff: Mapping[str, Any]) -> str:
 
 _EVIDENCE_HEADER = ["system", "n with evidence", "evidence recall (%) [95 % CI]", "chance (%)", "rows retrieved",
                     "accuracy if found (%) [95 % CI] (n)", "accuracy if not found (%) [95 % CI] (n)"]
-_EVIDENCE_NOTE = ("Evidence recall: share of the questions with evidence whose retrieved bank rows include an "
-                  "evidence row (Wilson interval); chance: its exact expectation for as many rows drawn at random "
-                  "from the question's conversation.")
+_EVIDENCE_NOTE = ("Evidence recall: share of the questions with evidence whose retrieved bank rows (A-Mem: notes) "
+                  "include an evidence row (Wilson interval); chance: its exact expectation for as many rows drawn "
+                  "at random from the question's conversation.")
 
 
 def _evidence_row(name: str, e: Mapping[str, Any]) -> list[str]:

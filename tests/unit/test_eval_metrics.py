@@ -377,6 +377,11 @@ def test_construction_cost_says_how_many_notes_it_leaves_out():
     assert seeds["systems"]["partial"]["construction_notes_unmeasured"] == 1503
     assert "construction_notes_unmeasured" not in seeds["systems"]["whole"]
     assert "200.0 (without the 1,503 notes" in seeds_markdown(seeds)
+    old = rec("single", True)  # every note from before: no cost, not a cost of 0
+    old["extra"] = {"amem": {"group": "g1", "notes_in_memory": 5,
+                             "build": {"notes_added": 0, "tokens_per_note": 0.0, "seconds_per_note": 0.0}}}
+    none = M.build_results([old])
+    assert "| not recorded (5 notes built before costs were kept) |" in comparison_markdown({"none": none})
 
 
 def test_evidence_recall_chance_and_accuracy_given_a_hit():

@@ -287,19 +287,20 @@ def evidence_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
     from elasticmem.eval.retrieval import random_recall
     from elasticmem.eval.stats import accuracy_with_interval
 
-    def wanted(r: Mapping[str, Any]) -> set[str]:
+    def parse(r: Mapping[str, Any]) -> tuple[set[str], list[str]]:
+        """(refs holding evidence, refs retrieved): bank rows as ``row:N``, or a system's own refs."""
         e = (r.get("extra") or {}).get("evidence") or {}
-        return {f"row:{x}" for x in e["rows"]} if e.get("rows") else {str(x) for x in e.get("refs") or ()}
-
-    def refs(r: Mapping[str, Any], rows: bool) -> list[str]:
         got = [str(m.get("ref", "")) for m in r.get("retrieved", [])]
-        return [g for g in got if g.startswith("row:")] if rows else got
+        if e.get("rows"):
+            return {f"row:{x}" for x in e["rows"]}, [g for g in got if g.startswith("row:")]
+        return {str(x) for x in e.get("refs") or ()}, got
 
-    scored = [r for r in records if wanted(r)]
-    got = [refs(r, bool(r["extra"]["evidence"].get("rows"))) for r in scored]
+    parsed = [(r, *parse(r)) for r in records]
+    scored = [r for r, ev, _ in parsed if ev]
+    evidence = [ev for _, ev, _ in parsed if ev]
+    got = [g for _, ev, g in parsed if ev]
     if not any(got):
         return None
-    evidence = [wanted(r) for r in scored]
     found = [len(ev & set(g)) for ev, g in zip(evidence, got)]
     hit = [f > 0 for f in found]
     chance = [random_recall([r["extra"]["evidence"]["group_rows"]], [ev], [len(g)])[f"recall_any@{len(g)}"]

@@ -180,6 +180,15 @@ class BankConfig:
     embeddings, -1 = the final layer after the norm: the paper). A departure for small reasoners:
     a middle layer's states keep more of their own tokens than the final layer's, which are shaped
     to predict the next token (README "Training recipe" has the measurement). Keys are unaffected."""
+    kv_cache: bool = False
+    """Also store, for the same n_cache last positions of each chunk, every layer's attention keys
+    and values as the frozen encoder computed them over the chunk (manifest ``kv``; shard tensor
+    ``kv``), for a reasoner that reads them directly (``memory.content=kv``). A departure from the
+    paper, whose content is the final-layer states read through a projector; needs a model with
+    rotary position embeddings. Size: n_cache x layers x 2 x KV heads x head width values per
+    chunk (SmolLM2-135M: 11,520 a position, 20x its hidden states)."""
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """Storage dtype of the per-layer keys and values (kv_cache)."""
 
     def __post_init__(self) -> None:
         if self.part:
@@ -239,6 +248,14 @@ class MemoryConfig:
     """How retrieved memories enter the reasoner: 'latent' = b_j projected cached states per
     memory (the method); 'text' = the chunk's tokens as plain text, no budget policy (the
     text-RAG baseline and, trained by GRPO, the paper's text-memory control)."""
+    content: Literal["hidden", "kv"] = "hidden"
+    """What a latent memory's b_j tokens are: 'hidden' = its last b_j cached final-layer states
+    through the projector, as input embeddings (the paper); 'kv' = its last b_j positions' own
+    per-layer keys and values (a bank built with bank.kv_cache), attended to by every layer of
+    the reasoner with keys rotated to where they are placed and no projector: the reader sees
+    what it would see reading those positions of the chunk as text, computed over the chunk
+    alone (a departure from the paper; README "Training recipe" has the measurement). Budgets,
+    policy, separators and #Tok count the same."""
     recent_max_tokens: int = 2048
     """Token budget of the memories under retrieval='recent' (history truncated from the oldest)."""
     top_z: int = 20
@@ -555,6 +572,17 @@ class EvalConfig:
     Names written system@seed (elasticmem@0, elasticmem@1, memgen@0, ...) are one system trained
     with several seeds: seeds.md then gives each system's mean over seeds with a t interval and
     the systems paired by seed against the first."""
+    memories: Literal["retrieved", "evidence"] = "retrieved"
+    """Which memories an ElasticMem-path system reads: 'retrieved' (its own retrieval); 'evidence'
+    (each question's evidence chunks alone, in place of retrieval: reading measured apart from
+    retrieval and budgets; data that record evidence only). A diagnostic of the reading ladder
+    (``python -m elasticmem.eval.ladder``)."""
+    budgets: Literal["policy", "max", "oracle"] = "policy"
+    """How an ElasticMem system's latent budgets are set at evaluation: 'policy' (the learned
+    policy's argmax: the method); 'max' (memory.policy.max_budget for every memory: uniform
+    budgets; under memory.policy.token_cap the cap shared out evenly); 'oracle' (max_budget for
+    the question's evidence chunks, 0 for the other memories: what a perfect allocator gives,
+    data that record evidence only). Diagnostics of the reading ladder."""
     case_studies: int = 5
     """Examples dumped to case_study.md with question, gold, prediction and the retrieved chunks'
     text, rank, score and budget."""
@@ -617,11 +645,13 @@ class WarmupConfig:
     """AdamW learning rate (adapter and projector), linear warm-up then cosine decay to 10 %."""
     warmup_steps: int = 5
     """Linear warm-up steps of the learning rate."""
-    budgets: Literal["max", "uniform", "policy"] = "uniform"
+    budgets: Literal["max", "uniform", "policy", "oracle"] = "uniform"
     """Soft tokens per retrieved memory while reading is taught (latent injection): 'max' =
     memory.policy.max_budget each; 'uniform' = a uniform draw in 1..max_budget each, so the
-    reasoner learns to read any budget GRPO's policy may later give; 'policy' = the untrained
-    budget policy's samples. The policy itself is not trained here."""
+    reasoner learns to read any budget GRPO's policy may later give; 'policy' = the budget
+    policy's samples (trained here only with budget_weight > 0, which makes them the reading
+    curriculum: all kinds of budgets at first, mostly the evidence later); 'oracle' = max_budget
+    for the evidence memories and 0 for the others (data that record evidence)."""
     target: Literal["letter", "value_letter", "answer"] = "letter"
     """What the answer steps teach the reasoner to say: 'letter' = "(b)"; 'value_letter' = the
     option's text then its letter, "amber (b)" (the reward still reads the letter): the value
@@ -641,6 +671,12 @@ class WarmupConfig:
     retrieval_weight: float = 0.0
     """Weight of the auxiliary retrieval loss (train.loss.retrieval_weight's, at
     train.loss.retrieval_temperature) on the query state, for retrieval control or query_only."""
+    budget_weight: float = 0.0
+    """Weight of a supervised start for the budget policy (a departure from the paper, whose
+    policy learns from GRPO alone; 0 = off): cross-entropy of its budget distribution towards
+    memory.policy.max_budget for each step's evidence memories and min_budget for the others
+    (``budget_supervision_loss``), so that it starts GRPO giving its tokens to the evidence.
+    Needs data that record evidence; trains the policy in the answer steps."""
     init_from: str | None = None
     """A saved model to start from (e.g. a reconstruction-only warm-up: steps=0), as
     train.init_from; null = fresh adapter and projector."""
@@ -696,9 +732,10 @@ class WarmupConfig:
         _require(self.lr > 0 and self.warmup_steps >= 0, "lr must be > 0 and warmup_steps >= 0")
         _require(self.target in ("letter", "value_letter", "answer"),
                  f"target must be 'letter', 'value_letter' or 'answer', got {self.target!r}")
-        _require(self.budgets in ("max", "uniform", "policy"),
-                 f"budgets must be 'max', 'uniform' or 'policy', got {self.budgets!r}")
+        _require(self.budgets in ("max", "uniform", "policy", "oracle"),
+                 f"budgets must be 'max', 'uniform', 'policy' or 'oracle', got {self.budgets!r}")
         _require(self.retrieval_weight >= 0, f"retrieval_weight must be >= 0, got {self.retrieval_weight}")
+        _require(self.budget_weight >= 0, f"budget_weight must be >= 0, got {self.budget_weight}")
         _require(self.top_z_start is None or self.top_z_start >= 1,
                  f"top_z_start must be >= 1 or null, got {self.top_z_start}")
 

@@ -49,6 +49,7 @@ from elasticmem.bank.builder import (
     key_spec,
     prompt_key_ids,
 )
+from elasticmem.bank.kv import kv_spec, rotary_module
 from elasticmem.bank.store import APPEND_FORMAT_VERSION, CHUNKS, MANIFEST, Bank, BankError, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
@@ -130,6 +131,9 @@ def create_bank(root: str | Path, backbone, chunking: ChunkingConfig, bank_cfg: 
     }
     if bank_cfg.content_layer != -1:
         manifest["content_layer"] = int(bank_cfg.content_layer)
+    if bank_cfg.kv_cache:
+        rotary_module(backbone.model.get_decoder())
+        manifest["kv"] = {**kv_spec(backbone.model.config), "dtype": bank_cfg.kv_dtype}
     _atomic_write_text(root / CHUNKS, "")
     _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(root)
@@ -212,7 +216,8 @@ def append_sessions(
         bar = tqdm(total=len(new), desc="encoding new chunks", unit="chunk", disable=not show_progress,
                    file=sys.stderr, dynamic_ncols=True)
         tensors = encode_shard(decoder, ids, bank.n_cache, batch_size, tokenizer.pad_token_id, bank.cache_dtype,
-                               progress=bar.update, key=key, key_ids=key_ids, content_layer=bank.content_layer)
+                               progress=bar.update, key=key, key_ids=key_ids, content_layer=bank.content_layer,
+                               kv_dtype=getattr(torch, bank.kv["dtype"]) if bank.kv else None)
         bar.close()
         i, start = _next_index(m), bank.num_chunks
         data = st_save(tensors, metadata={"plan_id": m.get("build", {}).get("plan_id") or "", "append": str(i)})
@@ -309,7 +314,7 @@ def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
     nxt = _next_index(m)
     replace: dict[int, tuple[dict, dict]] = {}  # first appended index of a run -> merged shard, chunk file
     for run in runs:
-        parts: dict[str, list[torch.Tensor]] = {"keys": [], "cache": [], "cache_len": []}
+        parts: dict[str, list[torch.Tensor]] = {"keys": [], "cache": [], "cache_len": [], **({"kv": []} if bank.kv else {})}
         text = b""
         for k in run:
             with safe_open(str(root / m["shards"][first + k]["file"]), framework="pt") as f:

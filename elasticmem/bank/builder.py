@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import save as st_save
 from tqdm.auto import tqdm
 
+from elasticmem.bank.kv import kv_spec, rotary_module, window_kv
 from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, Bank, BankError, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
@@ -164,8 +165,8 @@ def prompt_key_ids(tokenizer, texts: Sequence[str], token_ids: Sequence[Sequence
 def encode_batch(
     decoder: torch.nn.Module, token_ids: Sequence[Sequence[int]], n_cache: int, pad_id: int,
     key: dict[str, Any] | None = None, key_ids: Sequence[Sequence[int]] | None = None,
-    content_layer: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    content_layer: int = -1, kv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Keys and content caches of a batch of chunks.
 
     Args:
@@ -176,15 +177,17 @@ def encode_batch(
         key_ids: for ``prompt`` keys, the B wrapped sequences (``prompt_key_ids``).
         content_layer: the ``hidden_states`` index the cache takes its states from (-1 = the
             final layer, the paper; ``bank.content_layer``).
+        kv: also return every layer's keys and values at the same positions (``bank.kv_cache``).
     Returns:
         keys [B, d] float32 L2-normalised; cache [B, n_cache, d] in the model dtype,
-        valid states right-aligned, zeros elsewhere; cache_len [B] int32.
+        valid states right-aligned, zeros elsewhere; cache_len [B] int32; with ``kv``, then
+        kv [B, n_cache, layers, 2, H_kv, hd] (``elasticmem.bank.kv.window_kv``).
     """
     key = key or PAPER_KEY
     device = next(decoder.parameters()).device
     ids, mask, lengths = _right_pad(token_ids, pad_id, device)
     every = key["variant"] == "layer_mean" or content_layer != -1
-    out = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=every)
+    out = decoder(input_ids=ids, attention_mask=mask, use_cache=kv, output_hidden_states=every)
     H = out.last_hidden_state  # [B, L, d]
     C = H if content_layer == -1 else out.hidden_states[content_layer]
     if key["variant"] == "prompt":
@@ -198,6 +201,8 @@ def encode_batch(
     cache = torch.gather(C, 1, pos.clamp(min=0)[:, :, None].expand(-1, -1, C.shape[-1]))
     cache = cache * valid[:, :, None].to(cache.dtype)
     cache_len = lengths.clamp(max=n_cache).to(torch.int32)
+    if kv:
+        return keys, cache, cache_len, window_kv(out.cache, lengths, n_cache, rotary_module(decoder))
     return keys, cache, cache_len
 
 
@@ -259,7 +264,10 @@ def make_plan(
     encoder: dict[str, str],
     hidden_size: int,
     cache_dtype: str,
+    kv: dict[str, int] | None = None,
 ) -> Plan:
+    """The chunks, rows, shards and manifest header of a build (``kv``: ``kv_spec`` of the
+    encoder when ``bank.kv_cache`` is on)."""
     groups_first = collect_groups(examples_by_split)
     if not groups_first:
         raise SchemaError("no examples found: the bank would be empty")
@@ -303,6 +311,9 @@ def make_plan(
     if bank_cfg.content_layer != -1:  # absent = the paper's final layer, as in banks built before
         header["content_layer"] = int(bank_cfg.content_layer)
         h.update(json.dumps({"content_layer": header["content_layer"]}).encode())
+    if kv is not None:  # absent = hidden states only, as in banks built before
+        header["kv"] = {**kv, "dtype": bank_cfg.kv_dtype}
+        h.update(json.dumps({"kv": header["kv"]}, sort_keys=True).encode())
     key_ids = None
     if key["variant"] == "prompt":
         key_ids = prompt_key_ids(tokenizer, [c.text for c in chunks], token_ids, key["template"],
@@ -342,31 +353,40 @@ def encode_shard(
     key: dict[str, Any] | None = None,
     key_ids: Sequence[Sequence[int]] | None = None,
     content_layer: int = -1,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``
-    (``key``, ``key_ids``, ``content_layer``: as in ``encode_batch``, for the shard's rows)."""
+    (``key``, ``key_ids``, ``content_layer``: as in ``encode_batch``, for the shard's rows),
+    and ``kv`` in ``kv_dtype`` when that is given (``bank.kv_cache``)."""
     n = len(token_ids)
     d = decoder.config.hidden_size
     keys = torch.empty(n, d, dtype=torch.float32)
     cache = torch.empty(n, n_cache, d, dtype=cache_dtype)
     cache_len = torch.empty(n, dtype=torch.int32)
+    kv = None
+    if kv_dtype is not None:
+        spec = kv_spec(decoder.config)
+        kv = torch.empty(n, n_cache, spec["layers"], 2, spec["kv_heads"], spec["head_dim"], dtype=kv_dtype)
     order = sorted(range(n), key=lambda i: -len(token_ids[i]))  # length-sorted: little padding
     with torch.inference_mode():
         for a in range(0, n, batch_size):
             idx = order[a : a + batch_size]
-            k, c, cl = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id, key,
-                                    None if key_ids is None else [key_ids[i] for i in idx], content_layer)
+            k, c, cl, *rest = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id, key,
+                                           None if key_ids is None else [key_ids[i] for i in idx], content_layer,
+                                           kv=kv is not None)
             c = c.to(cache_dtype)
-            if not torch.isfinite(c).all():
-                raise FloatingPointError(
-                    f"non-finite values after casting the cache to {cache_dtype}; "
-                    f"use bank.cache_dtype=float32 or bfloat16"
-                )
+            for name, x, dtype in [("cache", c, cache_dtype)] + ([("kv", rest[0].to(kv_dtype), kv_dtype)] if rest else []):
+                if not torch.isfinite(x).all():
+                    raise FloatingPointError(f"non-finite values after casting the {name} to {dtype}; "
+                                             f"use bank.{'cache' if name == 'cache' else 'kv'}_dtype=float32 or bfloat16")
             t = torch.as_tensor(idx)
             keys[t], cache[t], cache_len[t] = k.cpu(), c.cpu(), cl.cpu()
+            if kv is not None:
+                kv[t] = rest[0].to(kv_dtype).cpu()
             if progress is not None:
                 progress(len(idx))
-    return {"keys": keys, "cache": cache, "cache_len": cache_len}
+    out = {"keys": keys, "cache": cache, "cache_len": cache_len}
+    return out if kv is None else {**out, "kv": kv}
 
 
 def _write_shard(
@@ -510,9 +530,12 @@ def build_bank(
         if bad:
             raise ValueError(f"bank.{name} {bad} out of range for {backbone.name_or_path} ({n} layers: "
                              f"hidden_states indices 0..{n}, or negative from the end)")
+    if bank_cfg.kv_cache:
+        rotary_module(backbone.model.get_decoder())  # a model without rotary embeddings: refused before encoding
     plan = make_plan(
         examples_by_split, backbone.tokenizer, chunking, bank_cfg, encoder,
         backbone.hidden_size, str(cache_dtype).removeprefix("torch."),
+        kv_spec(backbone.model.config) if bank_cfg.kv_cache else None,
     )
     num_tokens = sum(len(t) for t in plan.token_ids)
     if part is not None:
@@ -552,6 +575,7 @@ def build_bank(
             backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update, key=plan.header["key"],
             key_ids=None if plan.key_ids is None else plan.key_ids[a:b],
             content_layer=plan.header.get("content_layer", -1),
+            kv_dtype=getattr(torch, plan.header["kv"]["dtype"]) if "kv" in plan.header else None,
         )
         _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()

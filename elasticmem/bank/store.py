@@ -257,6 +257,10 @@ class Bank:
     def _empty(self, name: str) -> torch.Tensor:
         """Zero rows of a shard tensor (also for a bank with no shard yet, which an append starts)."""
         d, dtype = self.hidden_size, self.cache_dtype
+        if name == "kv":
+            kv = self.kv
+            return torch.zeros(0, self.n_cache, kv["layers"], 2, kv["kv_heads"], kv["head_dim"],
+                               dtype=getattr(torch, kv["dtype"]))
         return {"keys": torch.zeros(0, d), "cache": torch.zeros(0, self.n_cache, d, dtype=dtype),
                 "cache_len": torch.zeros(0, dtype=torch.int32)}[name]
 
@@ -281,9 +285,26 @@ class Bank:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         return self._gather_rows("cache", rows), self._gather_rows("cache_len", rows)
 
+    def gather_kv(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+        """Per-layer keys and values of arbitrary rows (a bank built with ``bank.kv_cache``):
+        [R, n_cache, layers, 2, H_kv, hd], right-aligned like ``gather``'s cache, keys in the
+        window frame of ``elasticmem.bank.kv``."""
+        if self.kv is None:
+            raise BankError(f"bank {self.root} holds no per-layer keys and values: build it with bank.kv_cache=true "
+                            f"to read memories with memory.content=kv")
+        return self._gather_rows("kv", torch.as_tensor(rows, dtype=torch.long).reshape(-1))
+
+    def kv_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+        """Readable per-layer KV slots [R] long of ``rows``: ``min(n_cache, L - 1)`` for a chunk of L
+        tokens (its position 0, the encoder's attention sink, is not stored: ``elasticmem.bank.kv``)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        chunks = self.chunks()
+        n_tokens = torch.tensor([chunks[r]["n_tokens"] for r in rows.tolist()], dtype=torch.long)
+        return (n_tokens - 1).clamp(min=0, max=self.n_cache)
+
     def cache_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
         """Valid cache lengths [R] int32 of ``rows``, without reading their caches."""
-        return self._gather_rows("cache_len", rows)
+        return self._gather_rows("cache_len", torch.as_tensor(rows, dtype=torch.long).reshape(-1))
 
     def gather_keys(self, rows: torch.Tensor) -> torch.Tensor:
         """Keys of rows of any shape [...] -> [..., d]; row -1 (a missing search result) gives zeros."""
@@ -293,6 +314,12 @@ class Bank:
         ok = flat >= 0
         out[ok] = self._gather_rows("keys", flat[ok])
         return out.reshape(*rows.shape, self.hidden_size)
+
+    @property
+    def kv(self) -> dict[str, Any] | None:
+        """The manifest's ``kv`` record ({layers, kv_heads, head_dim, dtype}) of a bank built with
+        ``bank.kv_cache``; None for a bank of hidden states only."""
+        return self.manifest.get("kv")
 
     @property
     def cache_dtype(self) -> torch.dtype:

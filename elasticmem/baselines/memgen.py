@@ -200,10 +200,11 @@ class MemGen(ElasticMem):
 
     @torch.no_grad()
     def greedy(self, batch: Sequence[Example], include_rows=None, budgets: str = "policy",
-               memo: dict | None = None) -> MemGenTrajectories:
+               memo: dict | None = None, memories=None, evidence=None) -> MemGenTrajectories:
         """One deterministic trajectory per example (argmax decisions, greedy answer). ``memo`` is
-        accepted for the harness's interface and unused; ``include_rows`` / ``budgets`` are ElasticMem's."""
-        if include_rows is not None or budgets != "policy":
+        accepted for the harness's interface and unused; ``include_rows``, ``budgets``, ``memories``
+        and ``evidence`` are ElasticMem's."""
+        if include_rows is not None or budgets != "policy" or memories is not None or evidence is not None:
             raise ValueError("MemGen has no budgets to force and no retrieved memories to replace")
         return self._memgen_rollout(batch, 1, 1.0, greedy=True)
 

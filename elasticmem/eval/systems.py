@@ -88,13 +88,18 @@ class ElasticMemSystem:
     """Greedy answers of an ``ElasticMem`` model (any injection / retrieval setting)."""
 
     def __init__(self, model, name: str = "elasticmem", checkpoint: str | None = None,
-                 settings: dict | None = None):
+                 settings: dict | None = None, memories: str = "retrieved", budgets: str = "policy"):
         """``checkpoint``: the weights' ``checkpoint_fingerprint`` (None = untrained parts);
-        ``settings``: other JSON-able settings that change the answers (seed, index), for ``identity``."""
+        ``settings``: other JSON-able settings that change the answers (seed, index), for ``identity``;
+        ``memories`` and ``budgets``: ``eval.memories`` and ``eval.budgets`` (the ladder's diagnostics)."""
         self.model = model
         self.name = name
         self.checkpoint = checkpoint
         self.settings = dict(settings or {})
+        if memories != "retrieved" or budgets != "policy":  # absent otherwise: earlier runs still resume
+            self.settings.update(memories=memories, budgets=budgets)
+        self.memories = memories
+        self.budgets = budgets
         self._memo: dict | None = None
 
     @contextlib.contextmanager
@@ -125,8 +130,19 @@ class ElasticMemSystem:
         import torch
 
         model = self.model
+        kw = {}
+        if self.memories != "retrieved" or self.budgets != "policy":
+            from elasticmem.eval.retrieval import evidence_rows
+
+            evidence = [evidence_rows(ex, model.bank) for ex in examples]
+            if not all(evidence):
+                missing = [ex.id for ex, e in zip(examples, evidence) if not e][:3]
+                raise ValueError(f"eval.memories={self.memories} / eval.budgets={self.budgets} read each question's "
+                                 f"evidence chunks; {missing} record none (extra.evidence)")
+            kw = dict(budgets=self.budgets, evidence=evidence,
+                      memories=evidence if self.memories == "evidence" else None)
         with torch.no_grad():
-            traj = model.greedy(list(examples), memo=self._memo)
+            traj = model.greedy(list(examples), memo=None if kw else self._memo, **kw)
         n = len(examples)
         latency = {k: v / n for k, v in traj.timings.items()}
         chunks = model.bank.chunks()
@@ -224,7 +240,10 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
         model.load_weights(cfg.eval.checkpoint)
     model.eval()
     index = {k: v for k, v in to_dict(cfg.bank.index).items() if k != "save"}  # save only caches
-    system = ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index})
+    if (cfg.eval.memories != "retrieved" or cfg.eval.budgets != "policy") and cfg.eval.system == "memgen":
+        raise ConfigError("eval.memories and eval.budgets are ElasticMem's diagnostics; MemGen has neither")
+    system = ElasticMemSystem(model, cfg.eval.system, checkpoint, {"seed": cfg.seed, "index": index},
+                              memories=cfg.eval.memories, budgets=cfg.eval.budgets)
     if stream:
         from elasticmem.eval.streaming import StreamingSystem
 

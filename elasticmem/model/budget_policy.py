@@ -80,6 +80,12 @@ class BudgetPolicyConfig:
     clip_budget: int | None = None
     """Inference-time clipping (paper appendix A.6): in greedy mode, budgets above it are lowered
     to it. Sampling for training and the learned parameters are unchanged. null = no clipping."""
+    token_cap: int | None = None
+    """Inference-time cap on one question's latent tokens (the sum of its budgets), a cost dial
+    that needs no retraining: in greedy mode, memories keep their budgets in order of value (the
+    policy's expected budget E[b_j]; ties by rank) until the cap, the memory that crosses it is
+    trimmed to what is left and the rest get 0, so the lowest-value memories are cut first.
+    Applied after clip_budget; sampling for training is unchanged. null = no cap."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +107,7 @@ class BudgetPolicyConfig:
             _require(self.min_budget <= self.uniform_budget <= self.max_budget,
                      f"uniform_budget ({self.uniform_budget}) must lie in min_budget..max_budget "
                      f"({self.min_budget}..{self.max_budget})")
+        _require(self.token_cap is None or self.token_cap >= 0, f"token_cap must be >= 0, got {self.token_cap}")
         if self.clip_budget is not None:
             _require(self.clip_budget >= self.min_budget,
                      f"clip_budget ({self.clip_budget}) must be >= min_budget ({self.min_budget}): "
@@ -227,6 +234,10 @@ class BudgetPolicy(nn.Module):
         budgets = torch.where(mask, classes + self.cfg.min_budget, 0)
         if greedy and self.cfg.clip_budget is not None:
             budgets = budgets.clamp_max(self.cfg.clip_budget)
+        if greedy and self.cfg.token_cap is not None:
+            levels = torch.arange(self.cfg.min_budget, self.cfg.max_budget + 1, device=logits.device, dtype=torch.float32)
+            value = (torch.softmax(logits.float(), -1) * levels).sum(-1)  # E[b_j]
+            budgets = cap_budgets(budgets, value, mask, self.cfg.token_cap)
         return BudgetSample(budgets, log_prob, entropy)
 
     def log_prob(
@@ -365,3 +376,51 @@ class BudgetPolicy(nn.Module):
         # clamp so impossible classes (-inf, uniform variant) add 0 * finite instead of 0 * -inf = NaN
         entropy = (logp.exp() * -logp.clamp_min(torch.finfo(logp.dtype).min)).sum(dim=-1)
         return torch.where(mask, chosen, 0.0), torch.where(mask, entropy, 0.0)
+
+
+def cap_budgets(budgets: Tensor, value: Tensor, mask: Tensor, cap: int) -> Tensor:
+    """Budgets [N, Z] within ``cap`` tokens per row, the lowest-value memories cut first.
+
+    Memories are taken in order of ``value`` [N, Z] (highest first; equal values by rank), each
+    keeping ``min(b_j, what is left of the cap)``: the memory that crosses the cap is trimmed and
+    the ones after it get 0. Rows within the cap are unchanged; masked slots stay 0.
+    """
+    _require(budgets.shape == value.shape == mask.shape, "budgets, value and mask must all be [N, Z]")
+    _require(cap >= 0, f"cap must be >= 0, got {cap}")
+    key = torch.where(mask, value.float(), torch.full_like(value, float("-inf"), dtype=torch.float32))
+    order = torch.sort(-key, dim=-1, stable=True).indices  # value descending; a stable sort keeps rank order in ties
+    b = torch.where(mask, budgets, torch.zeros_like(budgets)).gather(1, order)
+    before = b.cumsum(-1) - b  # tokens kept by the higher-value memories
+    kept = torch.minimum(b, (cap - before).clamp(min=0))
+    return torch.zeros_like(budgets).scatter(1, order, kept)
+
+
+def spread_budgets(mask: Tensor, max_budget: int, cap: int | None) -> Tensor:
+    """Uniform budgets [N, Z]: ``max_budget`` per retrieved memory, or, under a token ``cap``, the
+    cap shared out evenly over a row's n memories: ``cap // n`` each and one more for the
+    ``cap % n`` highest-ranked, at most ``max_budget`` (the uniform allocation at the same cost
+    as a capped policy)."""
+    mask = mask.bool()
+    if cap is None:
+        return torch.where(mask, max_budget, 0).long()
+    n = mask.sum(-1, keepdim=True)
+    place = mask.long().cumsum(-1) - 1  # 0 for a row's first retrieved memory, 1 for the next, ...
+    each = cap // n.clamp(min=1) + (place < cap % n.clamp(min=1)).long()
+    return torch.where(mask, each.clamp(max=max_budget), 0).long()
+
+
+def budget_supervision_loss(logits: Tensor, target: Tensor, mask: Tensor, min_budget: int = 0) -> Tensor:
+    """Cross-entropy of the policy's budget logits [N, Z, K] towards target budgets [N, Z] (class
+    ``target - min_budget``), averaged over the present slots of ``mask`` [N, Z] (0 without any).
+
+    A departure from the paper (``warmup.budget_weight``): where the data records evidence, the
+    target is max_budget for the evidence memories and min_budget for the others, the allocation
+    the elastic budget should learn, as ``retrieval_loss`` supervises retrieval."""
+    _require(logits.dim() == 3 and logits.shape[:2] == target.shape == mask.shape,
+             f"logits must be [N, Z, K] and target, mask [N, Z], got {tuple(logits.shape)}, "
+             f"{tuple(target.shape)}, {tuple(mask.shape)}")
+    if not bool(mask.any()):
+        return logits.sum() * 0.0
+    classes = (target - min_budget).clamp(0, logits.shape[-1] - 1)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, classes[..., None]).squeeze(-1)
+    return -(logp * mask).sum() / mask.sum()

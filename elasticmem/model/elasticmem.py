@@ -29,6 +29,7 @@ Bad input, handled:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 import warnings
@@ -45,7 +46,7 @@ from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
-from elasticmem.model.injection import Assembled, Layout, assemble, left_pad
+from elasticmem.model.injection import Assembled, KVPiece, Layout, assemble, attention_bias, left_pad
 from elasticmem.model.projector import Projector, select_last_valid
 
 FORMAT_VERSION = 1
@@ -238,7 +239,20 @@ class ElasticMem(nn.Module):
             self.semantic = SemanticRetriever(bank, cfg.semantic_model)
             d_query = self.semantic.dim
         self.policy = BudgetPolicy(cfg.policy, d_query).to(device)
-        self.projector = Projector(cfg.projector, backbone.hidden_size).to(device)
+        self.rotary = None
+        projector_cfg = cfg.projector
+        if cfg.content == "kv":
+            # the reader attends to the memories' own keys and values: nothing to project (also
+            # when this model reads them as text, so that its checkpoint loads the same)
+            projector_cfg = dataclasses.replace(cfg.projector, variant="identity")
+            if cfg.injection == "latent" and cfg.top_z > 0:
+                from elasticmem.bank.kv import rotary_module
+
+                if bank.kv is None:
+                    raise BankError(f"memory.content=kv reads per-layer keys and values, which bank {bank.root} "
+                                    f"does not hold: build it with bank.kv_cache=true")
+                self.rotary = rotary_module(backbone.model.get_decoder())
+        self.projector = Projector(projector_cfg, backbone.hidden_size).to(device)
         self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
         self.eos_ids = eos_token_ids(self.base, self.tokenizer)
         self._warned: set[str] = set()
@@ -391,18 +405,33 @@ class ElasticMem(nn.Module):
             return self.policy.sample(*args, greedy=greedy)
         return self.policy.log_prob(*args, budgets.to(self.device))
 
-    def _budgets(self, mode: str, h, rows, scores, mask, greedy: bool, generator: torch.Generator | None = None):
+    def _budgets(self, mode: str, h, rows, scores, mask, greedy: bool, generator: torch.Generator | None = None,
+                 evidence: Sequence[set[int]] | None = None):
         """Budgets [N, Z], their log-probs and entropies: 'policy' (the policy's, argmax if
-        ``greedy``), 'max' (max_budget each) or 'uniform' (a draw in 1..max_budget each)."""
+        ``greedy``), 'max' (max_budget each), 'uniform' (a draw in 1..max_budget each) or 'oracle'
+        (max_budget for the rows in ``evidence[i]``, 0 for the others). In greedy mode
+        ``memory.policy.token_cap`` applies to every mode: the policy cuts its lowest-value
+        memories first, 'max' shares the cap out evenly, 'oracle' keeps the evidence by rank."""
+        from elasticmem.model.budget_policy import cap_budgets, spread_budgets
+
         if mode == "policy":
             bs = self._allocate(h, rows, scores, mask, greedy)
             return bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
-        if mode not in ("max", "uniform"):
-            raise ValueError(f"budgets must be 'policy', 'max' or 'uniform', got {mode!r}")
+        if mode not in ("max", "uniform", "oracle"):
+            raise ValueError(f"budgets must be 'policy', 'max', 'uniform' or 'oracle', got {mode!r}")
         N, Z = rows.shape
-        top = self.cfg.policy.max_budget
-        b = (torch.full((N, Z), top, dtype=torch.long) if mode == "max"
-             else torch.randint(1, top + 1, (N, Z), generator=generator))
+        top, cap = self.cfg.policy.max_budget, self.cfg.policy.token_cap if greedy else None
+        if mode == "max":
+            b = spread_budgets(mask, top, cap)
+        elif mode == "uniform":
+            b = torch.randint(1, top + 1, (N, Z), generator=generator)
+        else:
+            if evidence is None or len(evidence) != N:
+                raise ValueError(f"budgets='oracle' needs the evidence rows of each of the {N} trajectories")
+            b = torch.tensor([[top if r in evidence[i] else 0 for r in row] for i, row in enumerate(rows.tolist())],
+                             dtype=torch.long).reshape(N, Z)
+            if cap is not None:
+                b = cap_budgets(b, b.float(), mask, cap)
         zeros = torch.zeros(N, Z)
         return torch.where(mask, b, torch.zeros_like(b)), zeros, zeros
 
@@ -410,11 +439,14 @@ class ElasticMem(nn.Module):
         keys = self.semantic.gather_keys(rows) if self.semantic is not None else self.bank.gather_keys(rows)
         return keys.to(self.device)
 
-    def _soft_tokens(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-        """Projected soft tokens per trajectory (memories with 0 tokens left out) and counts [N, Z]."""
+    def _soft_tokens(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list], torch.Tensor]:
+        """Projected soft tokens per trajectory (memories with 0 tokens left out) and counts [N, Z]
+        (``KVPiece``s under memory.content=kv)."""
         N, Z = rows.shape
         if self.cfg.injection == "text":
             return self._text_memories(rows)
+        if self.rotary is not None:
+            return self._kv_memories(rows, budgets)
         flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
         use = (flat_rows >= 0) & (flat_b > 0)
         counts = torch.zeros(N * Z, dtype=torch.long)
@@ -429,6 +461,30 @@ class ElasticMem(nn.Module):
                 if c[k] > 0:
                     per_traj[flat_idx // Z].append(pieces[k])
         return per_traj, counts.reshape(N, Z)
+
+    def _kv_memories(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[KVPiece]], torch.Tensor]:
+        """memory.content=kv: per trajectory, each memory's last min(b_j, readable slots) per-layer
+        keys and values (``Bank.kv_lengths``), and those counts [N, Z]."""
+        N, Z = rows.shape
+        flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
+        use = (flat_rows >= 0) & (flat_b > 0)
+        counts = torch.zeros(N * Z, dtype=torch.long)
+        per_traj: list[list[KVPiece]] = [[] for _ in range(N)]
+        if use.any():
+            kv = self.bank.gather_kv(flat_rows[use])
+            n_cache = kv.shape[1]
+            c = torch.minimum(flat_b[use], self.bank.kv_lengths(flat_rows[use]))
+            counts[use] = c
+            for k, flat_idx in enumerate(use.nonzero().reshape(-1).tolist()):
+                ck = int(c[k])
+                if ck > 0:
+                    per_traj[flat_idx // Z].append(KVPiece(kv[k, n_cache - ck:], n_cache - ck))
+        return per_traj, counts.reshape(N, Z)
+
+    def _assemble(self, layouts: Sequence[Layout]) -> Assembled:
+        """``assemble`` with this model's embedding, separator and (KV memories) rotary embedding."""
+        eager = getattr(self.base.config, "_attn_implementation", None) == "eager"
+        return assemble(self.base.get_input_embeddings(), layouts, self.sep_ids, self.rotary, additive=eager)
 
     def _chunk_ids(self, row: int) -> list[int]:
         if row not in self._chunk_tokens:
@@ -527,16 +583,20 @@ class ElasticMem(nn.Module):
 
     @torch.no_grad()
     def greedy(self, batch: Sequence[Example], include_rows: Sequence[set[int]] | None = None,
-               budgets: str = "policy", memo: dict | None = None) -> Trajectories:
+               budgets: str = "policy", memo: dict | None = None, memories: Sequence[set[int]] | None = None,
+               evidence: Sequence[set[int]] | None = None) -> Trajectories:
         """One deterministic trajectory per example: argmax control token and budgets, greedy answer.
 
-        ``include_rows`` and ``budgets`` ('max': max_budget each) as in ``teacher_forced``: to
-        measure reading apart from retrieval and budgets (benchmarks/evidence_reading.py).
+        ``include_rows`` and ``budgets`` ('max': max_budget each; 'oracle': max_budget for the
+        rows of ``evidence[i]``, 0 for the others) as in ``teacher_forced``; ``memories``: per
+        example, exactly these bank rows (ordered by score) instead of the retrieved ones. They
+        measure reading apart from retrieval and budgets (``elasticmem.eval.ladder``).
         ``memo``: a dict kept by the caller across calls; an example whose prompt and group were
         seen before reuses that call's control token, memories and budgets (all greedy, so equal)
         instead of recomputing them: an agent episode, whose query is its objective at every
         step, retrieves once (its retrieval time is then 0)."""
-        return self._rollout(batch, 1, 1.0, greedy=True, include_rows=include_rows, budgets=budgets, memo=memo)
+        return self._rollout(batch, 1, 1.0, greedy=True, include_rows=include_rows, budgets=budgets, memo=memo,
+                             memories=memories, evidence=evidence)
 
     @torch.no_grad()
     def teacher_forced(
@@ -553,7 +613,8 @@ class ElasticMem(nn.Module):
         bank rows (its evidence) put among the retrieved memories in place of the lowest-ranked
         others, then all ordered by their cosine to h as retrieval orders them (an example with
         more such rows than Z keeps the Z best-scored). ``budgets``: 'policy' (the policy's
-        samples), 'max' (max_budget each) or 'uniform' (a uniform draw in 1..max_budget each).
+        samples), 'max' (max_budget each), 'uniform' (a uniform draw in 1..max_budget each) or
+        'oracle' (max_budget for the ``include_rows``, 0 for the others).
         ``answers``: target token ids (the end-of-turn token included where it should be
         learnt). ``score`` of the result gives the target's log-probs with gradients
         (``logp_answer`` here is 0: nothing was sampled).
@@ -563,7 +624,7 @@ class ElasticMem(nn.Module):
         prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True)
         rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
         N, Z = rows.shape
-        b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator)
+        b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator, include_rows)
         _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
         T = max(1, max(len(t) for t in answers))
         answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -598,16 +659,33 @@ class ElasticMem(nn.Module):
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
         targets = [self._chunk_ids(int(r)) + [eos] for r in rows.reshape(-1).tolist()]
         layouts = [Layout(list(prompt), None, soft[i], list(suffix), t) for i, t in enumerate(targets)]
-        x = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        x = self._assemble(layouts)
         with self._decoder(disable_adapter=True):
-            H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
-                                        position_ids=x.position_ids, use_cache=False)
+            H, _ = self._forward_hidden(**x.forward_kwargs(), use_cache=False)
         lengths = torch.tensor([len(t) for t in targets])
         tgt = torch.zeros(len(targets), int(lengths.max()), dtype=torch.long)
         for i, t in enumerate(targets):
             tgt[i, : len(t)] = torch.as_tensor(t)
         mask = torch.arange(tgt.shape[1])[None, :] < lengths[:, None]
         return self._target_logps(H, x.answer_start, tgt, lengths), mask.to(H.device)
+
+    def _given(self, h: torch.Tensor, memories: Sequence[set[int]]):
+        """Rows [N, Z'] (Z' the most given), cosine scores of h and mask for exactly the ``memories``
+        of each example, highest score first (the order retrieval would give them)."""
+        N = len(memories)
+        if N != h.shape[0]:
+            raise ValueError(f"{N} memory sets for {h.shape[0]} trajectories")
+        Z = max([1] + [len(m) for m in memories])
+        rows = torch.full((N, Z), -1, dtype=torch.long)
+        for i, m in enumerate(memories):
+            rows[i, : len(m)] = torch.as_tensor(sorted(m), dtype=torch.long)
+        keys = torch.nn.functional.normalize(self._policy_inputs(h, rows).float().cpu(), dim=-1)
+        scores = torch.einsum("nzd,nd->nz", keys, torch.nn.functional.normalize(h.float().cpu(), dim=-1))
+        scores = torch.where(rows >= 0, scores, torch.full_like(scores, float("-inf")))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        rows, scores = rows.gather(1, order), scores.gather(1, order)
+        mask = rows >= 0
+        return rows, torch.where(mask, scores, torch.zeros_like(scores)), mask
 
     def _include(self, h, rows, scores, mask, include: Sequence[set[int]] | None):
         """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by
@@ -640,13 +718,17 @@ class ElasticMem(nn.Module):
 
     def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool,
                  include_rows: Sequence[set[int]] | None = None, budgets: str = "policy",
-                 memo: dict | None = None) -> Trajectories:
+                 memo: dict | None = None, memories: Sequence[set[int]] | None = None,
+                 evidence: Sequence[set[int]] | None = None) -> Trajectories:
         if not batch:
             raise ValueError("empty batch")
         if G < 1 or temperature <= 0:
             raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
-        if memo is not None and not (greedy and G == 1 and include_rows is None and budgets == "policy"):
-            raise ValueError("memo is for greedy rollouts with the policy's budgets and no include_rows")
+        if memo is not None and not (greedy and G == 1 and include_rows is None and budgets == "policy"
+                                     and memories is None):
+            raise ValueError("memo is for greedy rollouts with the policy's budgets and the retrieved memories")
+        if (memories is not None or evidence is not None) and G != 1:
+            raise ValueError("memories and evidence are given per example: for greedy rollouts (G = 1)")
         t0 = time.perf_counter()
         keys = texts = None
         if memo is not None:
@@ -660,10 +742,12 @@ class ElasticMem(nn.Module):
         else:
             prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy,
                                                                                                    texts)
+            if memories is not None:
+                rows, scores, mask = self._given(h, memories)
             rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
             t1 = time.perf_counter()
             h_pol = h.detach() if self.cfg.detach_policy_inputs else h
-            budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy)
+            budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy, evidence=evidence)
             t2 = time.perf_counter()
             if keys is not None:
                 for i, k in enumerate(keys):
@@ -672,7 +756,7 @@ class ElasticMem(nn.Module):
         N = len(groups)
         layouts = [Layout(prompts[i // G], None if a[i] < 0 else int(a[i]), soft[i], suffixes[i // G], [])
                    for i in range(N)]
-        batch_in = assemble(self.base.get_input_embeddings(), layouts, self.sep_ids)
+        batch_in = self._assemble(layouts)
         answer_ids, answer_mask, logp_ans = self._generate(batch_in, temperature, greedy)
         t3 = time.perf_counter()
         n_mem = (counts > 0).sum(-1)
@@ -734,9 +818,8 @@ class ElasticMem(nn.Module):
         device, mode = self.device, self.cfg.retrieval
         N = len(traj.example_ids)
         answers = [traj.answer_ids[i][traj.answer_mask[i]].tolist() for i in range(N)]
-        x = assemble(self.base.get_input_embeddings(), self.trajectory_layouts(traj, answers), self.sep_ids)
-        H, _ = self._forward_hidden(inputs_embeds=x.embeds, attention_mask=x.attention_mask,
-                                    position_ids=x.position_ids, use_cache=False)
+        x = self._assemble(self.trajectory_layouts(traj, answers))
+        H, _ = self._forward_hidden(**x.forward_kwargs(), use_cache=False)
         ar = torch.arange(N, device=device)
         if mode == "control":
             logits_a = self._logits(H[ar, x.query_pos - 1]) / traj.control_temperature
@@ -896,6 +979,9 @@ def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in
     ``output_logits``' T steps of [N, V] float32 plus a stacked copy and a log-softmax of it
     (0.6 GB each at N=64, T=16, V=152k). ``benchmarks/rollout_memory.py`` measures it.
     """
+    if batch_in.cache is not None:
+        return _generate_with_cache(base, generation_config.max_new_tokens, batch_in, eos_ids, pad_id, temperature,
+                                    greedy)
     hooks = {}
     if not greedy:
         record, gather, steps = _answer_logp_hooks(temperature)
@@ -915,6 +1001,56 @@ def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in
     mask = ~after_eos
     ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
     return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
+
+
+def _generate_with_cache(base: nn.Module, max_new_tokens: int, x: Assembled, eos_ids: list[int], pad_id: int,
+                         temperature: float, greedy: bool):
+    """``generate_answers`` for an input that starts from a KV cache (memory.content=kv).
+
+    transformers' ``generate`` cannot continue from a cache whose slots sit at positions of our
+    choosing behind a custom 4D mask, so this is its sampling loop written out for the one case
+    used here: plain sampling from softmax(logits / temperature), or argmax, with nothing else
+    (``DECODING_OFF``), stopping at EOS or ``max_new_tokens``; rows that ended get ``pad_id``
+    while the others continue, and the loop stops once every row has ended, as ``generate`` does.
+    Returns (ids [N, T], mask up to the first EOS, log-probs of the drawn tokens at the
+    temperature; zeros when greedy).
+    """
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    out = decoder(**x.forward_kwargs(), use_cache=True)
+    cache = out.cache
+    h = out.last_hidden_state[:, -1]
+    valid = torch.cat([x.past_valid, x.text_valid], 1)
+    pos = x.position_ids[:, -1] + 1
+    N, device = h.shape[0], h.device
+    eos = torch.tensor(eos_ids, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    ids, logps = [], []
+    for _ in range(max_new_tokens):
+        logits = head(h).float()
+        if greedy:
+            tok = logits.argmax(-1)
+            logps.append(torch.zeros(N, device=device))
+        else:
+            logp = torch.log_softmax(logits / temperature, -1)
+            tok = torch.multinomial(logp.exp(), 1).squeeze(1)
+            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        ids.append(tok)
+        done = done | torch.isin(tok, eos)
+        if bool(done.all()) or len(ids) == max_new_tokens:
+            break
+        valid = torch.cat([valid, torch.ones(N, 1, dtype=torch.bool, device=device)], 1)
+        mask = valid[:, None, None, :]
+        if x.attention_mask.dtype != torch.bool:  # the eager attention's additive form, as assemble made it
+            mask = attention_bias(mask, x.embeds.dtype)
+        out = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
+                      use_cache=True)
+        cache, h, pos = out.cache, out.last_hidden_state[:, -1], pos + 1
+    ids_t, logp = torch.stack(ids, 1).cpu(), torch.stack(logps, 1).cpu()
+    is_eos = torch.isin(ids_t, torch.tensor(eos_ids, dtype=ids_t.dtype))
+    mask = ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
+    ids_t = torch.where(mask, ids_t, torch.full_like(ids_t, pad_id))
+    return ids_t, mask, torch.where(mask, logp, torch.zeros_like(logp))
 
 
 def decode_answers(tokenizer, ids: torch.Tensor, mask: torch.Tensor, eos_ids: list[int]) -> list[str]:

@@ -168,9 +168,15 @@ def warmup(cfg: Config) -> dict[str, Any]:
         validate_examples(exs, bank, reward=cfg.train.reward, chunking=cfg.chunking, top_z=mem_cfg.top_z,
                           split_name=f"{cfg.data.dir}/{split}.jsonl")
     evidence = {ex.id: evidence_rows(ex, bank) for ex in examples} if mem_cfg.top_z > 0 else {}
-    if w.retrieval_weight > 0 and not any(evidence.values()):
-        raise ConfigError(f"warmup.retrieval_weight > 0 needs examples with evidence; "
-                          f"{cfg.data.dir}/{w.split}.jsonl records none")
+    for key, on in (("retrieval_weight > 0", w.retrieval_weight > 0), ("budget_weight > 0", w.budget_weight > 0),
+                    ("budgets=oracle", w.budgets == "oracle")):
+        if on and not any(evidence.values()):
+            raise ConfigError(f"warmup.{key} needs examples with evidence; {cfg.data.dir}/{w.split}.jsonl records "
+                              f"none{'' if mem_cfg.top_z else ' (or memory is off: top_z 0)'}")
+    if w.budget_weight > 0 and (memgen or mem_cfg.injection != "latent" or mem_cfg.policy.variant not in
+                                ("transformer", "autoregressive", "mlp")):
+        raise ConfigError("warmup.budget_weight > 0 trains a learned budget policy: it needs train.system=elasticmem, "
+                          "memory.injection=latent and memory.policy.variant transformer, autoregressive or mlp")
     try:
         targets = {ex.id: option_target(model.tokenizer, model.eos_ids, ex, mem_cfg.max_new_tokens, w.target)
                    for ex in examples}
@@ -191,8 +197,9 @@ def warmup(cfg: Config) -> dict[str, Any]:
             last = _reconstruct(model, w, chunk_rows, gen, metrics_path, cfg.train.max_grad_norm)
     else:
         model.load_weights(resume)
-    # the adapter and the projector read; the policy is GRPO's to train
-    params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("policy.")]
+    # the adapter and the projector read; the policy is GRPO's to train, unless it gets a supervised start
+    params = [p for n, p in model.named_parameters()
+              if p.requires_grad and (w.budget_weight > 0 or not n.startswith("policy."))]
     optimizer = torch.optim.AdamW(params, lr=w.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(w.warmup_steps, w.steps))
     state: dict[str, Any] = {"answer_step": 0, "order": []}
@@ -218,6 +225,8 @@ def warmup(cfg: Config) -> dict[str, Any]:
             model.eval()  # retrieval and budgets as a rollout makes them
             model.cfg = dataclasses.replace(mem_cfg, top_z=curriculum_z(w.top_z_start, mem_cfg.top_z, step, w.steps))
             include = [evidence.get(ex.id, set()) for ex in batch] if w.evidence and evidence else None
+            if w.budgets == "oracle" and include is None:
+                include = [evidence.get(ex.id, set()) for ex in batch]  # the oracle reads the evidence rows
             traj = model.teacher_forced(batch, [targets[ex.id] for ex in batch], include, w.budgets, gen)
             recall = _recall_before(model, traj, batch, evidence) if evidence else None
             model.train()
@@ -231,6 +240,10 @@ def warmup(cfg: Config) -> dict[str, Any]:
                                            cfg.train.loss.retrieval_temperature, aux.count)
                 loss = loss + w.retrieval_weight * r_loss
                 m["loss/retrieval"] = float(r_loss.detach())
+            if w.budget_weight > 0 and traj.rows.shape[1]:
+                b_loss, b_m = _budget_supervision(model, traj, batch, evidence)
+                loss = loss + w.budget_weight * b_loss
+                m.update(b_m)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
@@ -335,6 +348,9 @@ def alignment_loss(soft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _require_projector_parameters(model, key: str) -> None:
+    if model.cfg.content == "kv":
+        raise ConfigError(f"warmup.{key} trains the projector, which memory.content=kv does not use (the reader "
+                          f"attends to the memories' own keys and values): set warmup.{key}=0")
     if next(model.projector.parameters(), None) is None:
         raise ConfigError(f"warmup.{key} trains the projector, and memory.projector.variant="
                           f"{model.projector.cfg.variant} has no parameters: set warmup.{key}=0")
@@ -424,6 +440,29 @@ def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
     return m
+
+
+def _budget_supervision(model, traj, batch: Sequence[Example], evidence: dict[str, set[int]]):
+    """``budget_supervision_loss`` of the policy on this step's memories (train mode), and the
+    mean budget the policy's argmax gives evidence and other memories (``budget/*``)."""
+    from elasticmem.model.budget_policy import budget_supervision_loss
+
+    top, low = model.cfg.policy.max_budget, model.cfg.policy.min_budget
+    dev = model.device
+    is_ev = torch.tensor([[int(r) in evidence.get(ex.id, ()) for r in row.tolist()]
+                          for ex, row in zip(batch, traj.rows)], dtype=torch.bool).reshape(traj.rows.shape)
+    mask = traj.mask.to(dev)
+    target = torch.where(is_ev, top, low).to(dev)
+    h = traj.query_state.to(dev)
+    logits = model.policy.logits(h, model._policy_inputs(h, traj.rows), traj.scores.to(dev), mask, target)
+    loss = budget_supervision_loss(logits, target, mask, low)
+    with torch.no_grad():
+        chosen = logits.argmax(-1) + low
+        ev, other = mask & is_ev.to(dev), mask & ~is_ev.to(dev)
+        m = {"loss/budget": float(loss.detach()),
+             "budget/evidence": float(chosen[ev].float().mean()) if ev.any() else float("nan"),
+             "budget/other": float(chosen[other].float().mean()) if other.any() else float("nan")}
+    return loss, m
 
 
 class _OneProcess:

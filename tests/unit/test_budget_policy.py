@@ -373,3 +373,88 @@ def test_random_is_uniform_over_budgets(min_budget):
     expected = n * Z / k
     sigma = math.sqrt(expected * (1 - 1 / k))
     assert (counts - expected).abs().max() < 5 * sigma
+
+
+# ----------------------------------------------------------------------------- the cost dial and supervision
+
+
+def _cap_reference(budgets, value, mask, cap):
+    """cap_budgets written as a loop: memories by value (ties: rank), each keeps what is left."""
+    out = torch.zeros_like(budgets)
+    for i in range(budgets.shape[0]):
+        slots = sorted((j for j in range(budgets.shape[1]) if mask[i, j]), key=lambda j: (-float(value[i, j]), j))
+        left = cap
+        for j in slots:
+            out[i, j] = min(int(budgets[i, j]), left)
+            left -= int(out[i, j])
+    return out
+
+
+@pytest.mark.parametrize("cap", [0, 1, 5, 9, 100])
+def test_cap_budgets_cuts_the_lowest_value_memories_first(cap):
+    from elasticmem.model.budget_policy import cap_budgets
+
+    g = torch.Generator().manual_seed(cap)
+    _, _, _, mask = make_inputs()
+    budgets = torch.where(mask, torch.randint(0, 8, mask.shape, generator=g), 0)
+    value = torch.randint(0, 3, mask.shape, generator=g).float()  # many ties: rank breaks them
+    got = cap_budgets(budgets, value, mask, cap)
+    assert torch.equal(got, _cap_reference(budgets, value, mask, cap))
+    assert (got.sum(-1) <= cap).all() and (got <= budgets).all() and (got[~mask] == 0).all()
+    within = budgets.sum(-1) <= cap
+    assert torch.equal(got[within], budgets[within])
+
+
+@pytest.mark.parametrize("cap", [None, 0, 3, 7, 40])
+def test_spread_budgets_shares_the_cap_out_evenly(cap):
+    from elasticmem.model.budget_policy import spread_budgets
+
+    _, _, _, mask = make_inputs()
+    got = spread_budgets(mask, 7, cap)
+    assert (got[~mask] == 0).all()
+    for i in range(mask.shape[0]):
+        b = got[i][mask[i]].tolist()
+        if not b:
+            continue
+        if cap is None:
+            assert b == [7] * len(b)
+        else:
+            assert sum(b) == min(cap, 7 * len(b)) and max(b) - min(b) <= 1
+            assert b == sorted(b, reverse=True)  # the extra tokens go to the highest-ranked
+
+
+def test_token_cap_applies_in_greedy_mode_with_the_policys_own_values():
+    from elasticmem.model.budget_policy import cap_budgets
+
+    h, keys, scores, mask = make_inputs()
+    free = make_policy("transformer")
+    capped = make_policy("transformer", token_cap=6)
+    full = free.sample(h, keys, scores, mask, greedy=True)
+    got = capped.sample(h, keys, scores, mask, greedy=True)
+    logits = free.logits(h, keys, scores, mask)
+    value = (torch.softmax(logits, -1) * torch.arange(0, 8).float()).sum(-1)  # E[b]
+    assert torch.equal(got.budgets, cap_budgets(full.budgets, value, mask, 6))
+    assert torch.equal(got.log_prob, full.log_prob)  # the action's log-prob is the uncapped one's
+    torch.manual_seed(0)
+    a = capped.sample(h, keys, scores, mask, greedy=False, generator=torch.Generator().manual_seed(1))
+    b = free.sample(h, keys, scores, mask, greedy=False, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a.budgets, b.budgets)  # sampling for training is not capped
+
+
+def test_budget_supervision_loss_is_the_cross_entropy_and_teaches_the_policy():
+    from elasticmem.model.budget_policy import budget_supervision_loss
+
+    h, keys, scores, mask = make_inputs(n=8, seed=3)
+    target = torch.where(scores > 0, 7, 0)  # "evidence" = the positively scored memories
+    policy = make_policy("transformer", dropout=0.0)
+    logits = policy.logits(h, keys, scores, mask)
+    ref = F.cross_entropy(logits[mask], target[mask])
+    torch.testing.assert_close(budget_supervision_loss(logits, target, mask), ref)
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = budget_supervision_loss(policy.logits(h, keys, scores, mask), target, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.equal(policy.sample(h, keys, scores, mask, greedy=True).budgets, torch.where(mask, target, 0))
+    assert budget_supervision_loss(logits, target, torch.zeros_like(mask)) == 0

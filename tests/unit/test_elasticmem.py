@@ -38,20 +38,24 @@ def data():
 @pytest.fixture(scope="module")
 def bank(tmp_path_factory, data):
     """A bank whose chunks are longer and shorter than N_CACHE (persona-style long turns added)."""
+    examples = lengthened([ex for split in data.values() for ex in split])
+    out = tmp_path_factory.mktemp("bank")
+    build_bank({"all": examples}, tiny_backbone(), ChunkingConfig(max_tokens=32),
+               BankConfig(dir=str(out), n_cache=N_CACHE, shard_rows=16), torch.float32, show_progress=False)
+    return Bank.open(out), examples
+
+
+def lengthened(examples):
+    """The examples with every other history given a longer last turn, so that chunk lengths (and
+    cache_len) vary around N_CACHE."""
     from elasticmem.data.schema import Turn
 
-    examples = [ex for split in data.values() for ex in split]
-    # Lengthen some histories so cache_len varies around N_CACHE.
     longer = {}
     for ex in examples:
         if ex.group not in longer:
             extra = [Turn("user", "the cat sat on the mat " * (len(longer) % 3))] if len(longer) % 2 else []
             longer[ex.group] = [ex.history[0] + extra]
-    examples = [dataclasses.replace(ex, history=longer[ex.group]) for ex in examples]
-    out = tmp_path_factory.mktemp("bank")
-    build_bank({"all": examples}, tiny_backbone(), ChunkingConfig(max_tokens=32),
-               BankConfig(dir=str(out), n_cache=N_CACHE, shard_rows=16), torch.float32, show_progress=False)
-    return Bank.open(out), examples
+    return [dataclasses.replace(ex, history=longer[ex.group]) for ex in examples]
 
 
 def memory_cfg(**kw) -> MemoryConfig:

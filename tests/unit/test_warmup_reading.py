@@ -352,3 +352,57 @@ def test_memgen_weaver_sft_warmup_starts_its_grpo(tmp_path, capsys):
     a = load_file(str(final / "adapter/adapter_model.safetensors"))
     b = load_file(str(tmp_path / "g/final/adapter/adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_oracle_budgets_give_the_evidence_max_budget_and_the_others_none(bank):
+    bank, examples = bank
+    model = make_model(bank, policy={"max_budget": 5})
+    batch = examples[:6]
+    ev = [evidence_rows(ex, bank) for ex in batch]
+    traj = model.teacher_forced(batch, _targets(model, batch), include_rows=ev, budgets="oracle")
+    for i in range(len(batch)):
+        rows = traj.rows[i][traj.mask[i]].tolist()
+        assert ev[i] <= set(rows)
+        assert traj.budgets[i][traj.mask[i]].tolist() == [5 if r in ev[i] else 0 for r in rows]
+    with pytest.raises(ValueError, match="oracle"):
+        model.teacher_forced(batch, _targets(model, batch), budgets="oracle")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_budget_supervision_teaches_the_policy_where_the_evidence_is(tmp_path, seed):
+    """warmup.budget_weight: after 40 answer steps the policy's greedy budgets on held-out
+    questions go to the evidence (>= 3x the others' mean), where the untrained policy's do not."""
+    from conftest import ROOT
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.eval.systems import build_system
+    from elasticmem.warmup.reading import warmup
+
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=30",
+            f"seed={seed}", "warmup.steps=40", "warmup.budgets=policy", "warmup.eval_split="]
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+               cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    warmup(load_config(ROOT / "configs/tiny_mechanism.yaml",
+                       [*base, f"warmup.output_dir={tmp_path / 'on'}", "warmup.budget_weight=1.0"]))
+    steps = [json.loads(x) for x in (tmp_path / "on/metrics.jsonl").read_text().splitlines()]
+    assert "loss/budget" in steps[-1] and steps[-1]["loss/budget"] < steps[0]["loss/budget"] / 4
+    val = load_split(cfg.data.dir, "val")
+
+    def split(checkpoint):
+        model = build_system(load_config(ROOT / "configs/tiny_mechanism.yaml",
+                                         [*base, *([f"eval.checkpoint={checkpoint}"] if checkpoint else [])])).model
+        traj = model.greedy(val)
+        ev = torch.tensor([[int(r) in evidence_rows(ex, model.bank) for r in row.tolist()]
+                           for ex, row in zip(val, traj.rows)])
+        b = traj.budgets.float()
+        return float(b[traj.mask & ev].mean()), float(b[traj.mask & ~ev].mean())
+
+    ev_b, other_b = split(tmp_path / "on/final")
+    assert ev_b >= 3 * other_b and ev_b >= 3.0
+    ev0, other0 = split(None)  # the untrained policy
+    assert not ev0 >= 3 * other0

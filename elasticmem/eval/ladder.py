@@ -1,0 +1,272 @@
+"""The reading ladder: where a checkpoint's accuracy is lost (reading, distraction, allocation).
+
+One trained reader, one set of questions, each rung a variant of ``evaluate.py`` (so each is
+resumable and keeps its predictions), from no memory up to the text reading of the same
+memories:
+
+==================  ===========================================================================
+rung                what the reader reads
+==================  ===========================================================================
+no_memory           nothing (the same checkpoint, top_z 0)
+text_evidence       the question's evidence chunks alone, as text
+latent_evidence     the evidence chunks alone, latent, max_budget each
+latent_uniform      its own top-Z retrieval, latent, max_budget each (uniform budgets)
+latent_oracle       the same top-Z, max_budget for the evidence chunks and 0 for the others
+latent_learned      the same top-Z at the learned policy's budgets: ElasticMem
+text_topz           the same top-Z as text
+==================  ===========================================================================
+
+Each row gives accuracy with n and its 95 % Wilson interval, memory tokens, the paired difference
+against the rung above it (Tango's interval, exact McNemar) and, for latent rungs, the mean
+budget of evidence and other memories. Where accuracy is lost: reading (text_evidence -
+latent_evidence), distraction (latent_evidence - latent_uniform), retrieval and allocation
+(latent_oracle is what a perfect allocator gets from these memories; latent_learned - latent_oracle
+what the policy loses). With ``--caps``, the cost dial: the learned policy under
+``memory.policy.token_cap`` (its lowest-value memories cut first) against uniform budgets at the
+same cap (the cap shared out evenly), at each cap.
+
+    python -m elasticmem.eval.ladder --config configs/persona_recipe.yaml eval.checkpoint=RUN/final \\
+        eval.output_dir=RUN/ladder [--text-checkpoint TEXT_RUN/final] [--caps 8,16,32,64] [key=value ...]
+    python -m elasticmem.eval.ladder pool RUN_0/ladder RUN_1/ladder RUN_2/ladder    # seeds pooled
+
+Writes ``ladder.md`` and ``ladder.json`` in ``eval.output_dir``. ``pool`` compares rungs over
+several seeds' ladders: per seed and pooled over all (seed, question) pairs, and the mean over
+seeds with its t interval, paired by seed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    overrides: tuple[str, ...]
+    reads: str
+    text: bool = False
+    """A text rung: evaluated with ``--text-checkpoint`` when one is given."""
+
+
+RUNGS: tuple[Rung, ...] = (
+    Rung("no_memory", ("eval.system=no_memory",), "nothing"),
+    Rung("text_evidence", ("eval.system=text_rag", "eval.memories=evidence"), "the evidence alone, as text", True),
+    Rung("latent_evidence", ("eval.memories=evidence", "eval.budgets=max"), "the evidence alone, latent, B_max each"),
+    Rung("latent_uniform", ("eval.budgets=max",), "top-Z, latent, B_max each"),
+    Rung("latent_oracle", ("eval.budgets=oracle",), "top-Z, latent, B_max for evidence, 0 for others"),
+    Rung("latent_learned", (), "top-Z, latent, the learned budgets (ElasticMem)"),
+    Rung("text_topz", ("eval.system=text_rag",), "top-Z, as text", True),
+)
+LOSSES = (("reading", "text_evidence", "latent_evidence"), ("distraction", "latent_evidence", "latent_uniform"),
+          ("retrieval", "latent_evidence", "latent_oracle"), ("allocation", "latent_oracle", "latent_learned"))
+"""(what is lost, the rung with it, the rung without it): accuracy(with) - accuracy(without)."""
+
+
+def variants(caps: Sequence[int] = (), text_checkpoint: str | None = None) -> dict[str, list[str]]:
+    """The ladder as ``eval.variants`` (rungs, then learned and uniform budgets at each cap)."""
+    out: dict[str, list[str]] = {}
+    for r in RUNGS:
+        extra = [f"eval.checkpoint={text_checkpoint}"] if r.text and text_checkpoint else []
+        out[r.name] = [*r.overrides, *extra]
+    for c in caps:
+        out[f"learned_cap{c}"] = [f"memory.policy.token_cap={c}"]
+        out[f"uniform_cap{c}"] = ["eval.budgets=max", f"memory.policy.token_cap={c}"]
+    return out
+
+
+def budget_split(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int] | None:
+    """Mean budget of the retrieved evidence memories and of the other retrieved memories, over the
+    records that name their evidence rows (``extra.evidence.rows``); None without budgets."""
+    ev_sum = ev_n = other_sum = other_n = 0
+    for r in records:
+        rows = set((r.get("extra") or {}).get("evidence", {}).get("rows") or [])
+        if not rows:
+            continue
+        for m in r.get("retrieved") or []:
+            if m.get("budget") is None or not str(m.get("ref", "")).startswith("row:"):
+                continue
+            if int(m["ref"].split(":", 1)[1]) in rows:
+                ev_sum, ev_n = ev_sum + m["budget"], ev_n + 1
+            else:
+                other_sum, other_n = other_sum + m["budget"], other_n + 1
+    if ev_n + other_n == 0:
+        return None
+    ev = ev_sum / ev_n if ev_n else float("nan")
+    other = other_sum / other_n if other_n else float("nan")
+    return {"evidence": ev, "other": other, "evidence_memories": ev_n, "other_memories": other_n,
+            "ratio": ev / other if other_n and other > 0 else float("inf") if ev_n and ev > 0 else float("nan")}
+
+
+def ladder_data(out_root: Path, names: Sequence[str]) -> dict[str, Any]:
+    """``ladder.json`` from the rungs' folders: per rung its results and budgets, each rung against
+    the one above it, the losses, and the cost dial."""
+    from elasticmem.eval import stats
+    from elasticmem.eval.metrics import load_records, load_results
+    from elasticmem.eval.report import load_correct
+
+    rows: dict[str, Any] = {}
+    correct: dict[str, dict[str, bool]] = {}
+    for name in names:
+        res = load_results(out_root / name / "results.json")
+        correct[name] = load_correct(out_root / name / "predictions.jsonl")
+        rows[name] = {"accuracy": res["accuracy"], "n": res["num_examples"], "ci95": res["accuracy_ci95"],
+                      "memory_tokens": res["avg_memory_tokens"], "tokens": res["avg_tokens"],
+                      "budgets": budget_split(load_records(out_root / name / "predictions.jsonl"))}
+
+    def paired(a: str, b: str) -> dict[str, Any]:
+        ca, cb = stats.pair_by_id(correct[a], correct[b])
+        return {"reference": a, **stats.paired_comparison(ca, cb).as_dict()}
+
+    rungs = [r.name for r in RUNGS if r.name in rows]
+    for above, name in zip(rungs, rungs[1:]):
+        rows[name]["vs_above"] = paired(above, name)
+    losses = {what: {"with": a, "without": b, **paired(b, a)} for what, a, b in LOSSES if a in rows and b in rows}
+    caps = sorted({int(n.rsplit("cap", 1)[1]) for n in rows if n.startswith(("learned_cap", "uniform_cap"))})
+    dial = [{"cap": c, "learned": rows[f"learned_cap{c}"], "uniform": rows[f"uniform_cap{c}"],
+             "paired": paired(f"uniform_cap{c}", f"learned_cap{c}")}
+            for c in caps if f"learned_cap{c}" in rows and f"uniform_cap{c}" in rows]
+    return {"rungs": {n: rows[n] for n in rungs}, "losses": losses, "cost_dial": dial,
+            "reads": {r.name: r.reads for r in RUNGS}}
+
+
+def _acc(row: Mapping[str, Any]) -> str:
+    lo, hi = row["ci95"]
+    return f"{row['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _diff(p: Mapping[str, Any]) -> str:
+    lo, hi = p["difference_ci"]
+    return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}], p = {p['p_value']:.3g}"
+
+
+def _budgets(b: Mapping[str, Any] | None) -> str:
+    if not b:
+        return ""
+    return f"{b['evidence']:.1f} / {b['other']:.1f}"
+
+
+def ladder_markdown(data: Mapping[str, Any], title: str = "Reading ladder") -> str:
+    n = next(iter(data["rungs"].values()))["n"] if data["rungs"] else 0
+    lines = [f"# {title}", "",
+             f"n = {n} questions each; accuracy [95 % Wilson interval]; differences in points against the rung "
+             "above [95 % Tango interval], exact McNemar p; budgets: mean budget of evidence / other memories.", "",
+             "| rung | reads | accuracy | memory tokens | vs the rung above | budgets (evidence / other) |",
+             "|---|---|---|---|---|---|"]
+    for name, row in data["rungs"].items():
+        vs = _diff(row["vs_above"]) if "vs_above" in row else ""
+        lines.append(f"| {name} | {data['reads'][name]} | {_acc(row)} | {row['memory_tokens']:.1f} | {vs} | "
+                     f"{_budgets(row['budgets'])} |")
+    if data["losses"]:
+        lines += ["", "Where accuracy is lost (the rung with it minus the rung without it, paired):", ""]
+        for what, p in data["losses"].items():
+            lines.append(f"- {what}: {p['with']} - {p['without']} = {_diff(p)}")
+    if data["cost_dial"]:
+        lines += ["", "## Cost dial (memory.policy.token_cap)", "",
+                  "| cap | learned: accuracy | learned: memory tokens | uniform: accuracy | uniform: memory tokens "
+                  "| learned - uniform |", "|---|---|---|---|---|---|"]
+        for d in data["cost_dial"]:
+            lines.append(f"| {d['cap']} | {_acc(d['learned'])} | {d['learned']['memory_tokens']:.1f} | "
+                         f"{_acc(d['uniform'])} | {d['uniform']['memory_tokens']:.1f} | {_diff(d['paired'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("latent_uniform", "latent_learned"),
+                                                                          ("no_memory", "latent_learned"),
+                                                                          ("latent_oracle", "latent_learned"))
+         ) -> dict[str, Any]:
+    """Rung pairs (reference, system) over several seeds' ladders: per seed, pooled over every
+    (seed, question) pair, and the mean over seeds with its t interval, paired by seed."""
+    from elasticmem.eval import stats
+    from elasticmem.eval.report import load_correct
+
+    out: dict[str, Any] = {}
+    for a, b in pairs:
+        per_seed, pa, pb, acc_a, acc_b = [], [], [], [], []
+        for d in dirs:
+            ca, cb = stats.pair_by_id(load_correct(Path(d) / a / "predictions.jsonl"),
+                                      load_correct(Path(d) / b / "predictions.jsonl"))
+            per_seed.append({"dir": str(d), **stats.paired_comparison(ca, cb).as_dict()})
+            pa += ca
+            pb += cb
+            acc_a.append(sum(ca) / len(ca))
+            acc_b.append(sum(cb) / len(cb))
+        out[f"{b} - {a}"] = {"per_seed": per_seed, "pooled": stats.paired_comparison(pa, pb).as_dict(),
+                             "by_seed": stats.seed_paired(acc_a, acc_b)}
+    return out
+
+
+def pool_markdown(data: Mapping[str, Any], dirs: Sequence[str | Path]) -> str:
+    lines = ["# Reading ladder over seeds", "", "Ladders: " + ", ".join(str(d) for d in dirs), "",
+             "Pooled: every (seed, question) pair; the seeds share their questions, so the pooled test treats "
+             "pairs as independent that are not quite (the by-seed interval does not).", "",
+             "| comparison | per seed (points [95 %], p) | pooled (points [95 %], p, n) | mean over seeds [t interval] |",
+             "|---|---|---|---|"]
+    for name, d in data.items():
+        per = "; ".join(_diff(s) for s in d["per_seed"])
+        pooled = d["pooled"]
+        bs = d["by_seed"]
+        ci = bs["difference_ci"]
+        by = f"{100 * bs['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
+        by += f", p = {bs['p_value']:.3g}" if bs["p_value"] is not None else ""
+        lines.append(f"| {name} | {per} | {_diff(pooled)}, n = {pooled['n']} | {by} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "pool":
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder pool",
+                                     description="Compare ladder rungs over several seeds' ladders.")
+        ap.add_argument("dirs", nargs="+", help="ladder output folders (eval.output_dir of each seed's ladder)")
+        ap.add_argument("--out", help="write the table here (and .json next to it)")
+        args = ap.parse_args(argv[1:])
+        data = pool(args.dirs)
+        md = pool_markdown(data, args.dirs)
+        print(md)
+        if args.out:
+            Path(args.out).write_text(md)
+            Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
+        return 0
+    import argparse
+
+    from elasticmem.config import load_config
+    from elasticmem.eval import cli
+
+    ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder", description=__doc__.split("\n\n")[0],
+                                 epilog="Other arguments (--config, key=value overrides) go to evaluate.py.")
+    ap.add_argument("--text-checkpoint", help="the checkpoint the text rungs read with (default: eval.checkpoint)")
+    ap.add_argument("--caps", default="", help="token caps of the cost dial, comma-separated (e.g. 8,16,32,64)")
+    ap.add_argument("--rungs", default="", help="only these rungs, comma-separated (default: all)")
+    args, rest = ap.parse_known_args(argv)
+    caps = [int(c) for c in args.caps.split(",") if c.strip()]
+    var = variants(caps, args.text_checkpoint)
+    if args.rungs:
+        keep = {r.strip() for r in args.rungs.split(",") if r.strip()}
+        unknown = keep - set(var)
+        if unknown:
+            ap.error(f"unknown rungs {sorted(unknown)}; the ladder's are {list(var)}")
+        var = {k: v for k, v in var.items() if k in keep}
+    code = cli.main([*rest, "eval.variants=" + json.dumps(var)])
+    if code != 0:
+        return code
+    config = rest[rest.index("--config") + 1] if "--config" in rest else None
+    cfg = load_config(config, cli._expand([o for o in rest if "=" in o and not o.startswith("-")]))
+    out_root = Path(cfg.eval.output_dir)
+    data = ladder_data(out_root, list(var))
+    md = ladder_markdown(data, title=f"Reading ladder: {cfg.eval.checkpoint} on {Path(cfg.data.dir).name} / "
+                                     f"{cfg.eval.split}")
+    (out_root / "ladder.md").write_text(md)
+    (out_root / "ladder.json").write_text(json.dumps(data, indent=1))
+    print(md)
+    print(f"ladder -> {out_root / 'ladder.md'} and {out_root / 'ladder.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The reading ladder (python -m elasticmem.eval.ladder) on the tiny mechanism task, checked
+against the data: each rung reads what it says, its figures recount from its predictions, and
+each rung is paired with the one above it.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/integration/test_ladder.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT
+
+from elasticmem.config import load_config
+
+LIMIT = 24
+CAPS = (2, 6)
+
+
+@pytest.fixture(scope="module", params=["hidden", "kv"])
+def ladder_run(request, tmp_path_factory):
+    """Data, a bank (with per-layer KV for content=kv), an untrained checkpoint with a perturbed
+    policy, and its ladder with the cost dial."""
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import build_bank
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.eval import ladder
+    from elasticmem.eval.systems import build_system
+
+    root = tmp_path_factory.mktemp(f"ladder_{request.param}")
+    overrides = [f"data.dir={root}/data", f"bank.dir={root}/bank", "data.synthetic.num_histories=20",
+                 f"memory.content={request.param}", f"bank.kv_cache={request.param == 'kv'}", "eval.split=val"]
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", overrides)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
+    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    system = build_system(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a policy whose argmax gives uneven budgets
+        for p in system.model.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    system.model.save_pretrained(root / "ckpt")
+    out = root / "ladder"
+    code = ladder.main(["--config", str(ROOT / "configs/tiny_mechanism.yaml"), *overrides,
+                        f"eval.checkpoint={root / 'ckpt'}", f"eval.output_dir={out}", f"eval.limit={LIMIT}",
+                        "eval.batch_size=5", "--caps", ",".join(map(str, CAPS))])
+    assert code == 0
+    return cfg, out
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_each_rung_reads_what_it_says(ladder_run):
+    from elasticmem.bank import Bank
+    from elasticmem.data.schema import load_split
+    from elasticmem.eval.retrieval import evidence_rows
+
+    cfg, out = ladder_run
+    bank = Bank.open(cfg.bank.dir)
+    examples = {ex.id: ex for ex in load_split(cfg.data.dir, "val")[:LIMIT]}
+    top = cfg.memory.policy.max_budget
+    lens = (bank.kv_lengths if cfg.memory.content == "kv" else bank.cache_lengths)
+    rec = {name: {r["id"]: r for r in _records(out / name / "predictions.jsonl")}
+           for name in ("no_memory", "text_evidence", "latent_evidence", "latent_uniform", "latent_oracle",
+                        "latent_learned", "text_topz")}
+    for i, ex in examples.items():
+        ev = evidence_rows(ex, bank)
+        assert ev
+        rows = {name: [int(m["ref"].split(":")[1]) for m in r[i]["retrieved"]] for name, r in rec.items()}
+        assert rows["no_memory"] == [] and rec["no_memory"][i]["tokens"]["memory"] == 0
+        assert set(rows["latent_evidence"]) == ev == set(rows["text_evidence"])
+        assert rows["latent_uniform"] == rows["latent_oracle"] == rows["latent_learned"] == rows["text_topz"]
+        assert len(rows["latent_learned"]) == cfg.memory.top_z
+        budgets = {name: [m["budget"] for m in r[i]["retrieved"]] for name, r in rec.items()}
+        assert budgets["latent_evidence"] == [top] * len(ev)
+        assert budgets["latent_uniform"] == [top] * cfg.memory.top_z
+        assert budgets["latent_oracle"] == [top if r in ev else 0 for r in rows["latent_oracle"]]
+        # memory tokens: the readable states each budget takes; text: the chunk's tokens
+        want = sum(min(b, int(lens([r])[0])) for r, b in zip(rows["latent_oracle"], budgets["latent_oracle"]))
+        assert rec["latent_oracle"][i]["tokens"]["memory"] == want
+        assert rec["text_evidence"][i]["tokens"]["memory"] == sum(m["tokens"] for m in rec["text_evidence"][i]["retrieved"])
+    # the learned rung's budgets are the policy's own (uneven, not all max)
+    assert len({m["budget"] for r in rec["latent_learned"].values() for m in r["retrieved"]}) > 1
+
+
+def test_figures_recount_from_predictions_and_rungs_pair_with_the_one_above(ladder_run):
+    from elasticmem.eval import stats
+    from elasticmem.eval.ladder import RUNGS
+
+    _, out = ladder_run
+    data = json.loads((out / "ladder.json").read_text())
+    names = [r.name for r in RUNGS]
+    assert list(data["rungs"]) == names
+    correct = {n: {r["id"]: bool(r["correct"]) for r in _records(out / n / "predictions.jsonl")} for n in names}
+    for above, name in zip(names, names[1:]):
+        row = data["rungs"][name]
+        k, n = sum(correct[name].values()), len(correct[name])
+        assert row["n"] == n == len(correct["no_memory"]) > 10 and row["accuracy"] == pytest.approx(k / n)
+        assert row["ci95"] == pytest.approx(list(stats.wilson_interval(k, n)))
+        ids = sorted(correct[name])
+        pc = stats.paired_comparison([correct[above][i] for i in ids], [correct[name][i] for i in ids])
+        assert row["vs_above"]["reference"] == above
+        assert row["vs_above"]["only_a_correct"] == pc.only_a_correct
+        assert row["vs_above"]["only_b_correct"] == pc.only_b_correct
+        assert row["vs_above"]["p_value"] == pytest.approx(pc.p_value)
+    # budgets of evidence vs other memories, recounted
+    recs = _records(out / "latent_oracle" / "predictions.jsonl")
+    ev = [m["budget"] for r in recs for m in r["retrieved"] if int(m["ref"][4:]) in r["extra"]["evidence"]["rows"]]
+    other = [m["budget"] for r in recs for m in r["retrieved"] if int(m["ref"][4:]) not in r["extra"]["evidence"]["rows"]]
+    b = data["rungs"]["latent_oracle"]["budgets"]
+    assert b["evidence"] == pytest.approx(sum(ev) / len(ev)) and b["other"] == 0.0 == max(other)
+    assert b["evidence_memories"] == len(ev) and b["other_memories"] == len(other)
+    assert "| latent_learned |" in (out / "ladder.md").read_text()
+
+
+def test_cost_dial_keeps_each_question_within_its_cap(ladder_run):
+    cfg, out = ladder_run
+    data = json.loads((out / "ladder.json").read_text())
+    assert [d["cap"] for d in data["cost_dial"]] == list(CAPS)
+    learned = {r["id"]: r for r in _records(out / "latent_learned" / "predictions.jsonl")}
+    for cap in CAPS:
+        for r in _records(out / f"learned_cap{cap}" / "predictions.jsonl"):
+            budgets = [m["budget"] for m in r["retrieved"]]
+            full = [m["budget"] for m in learned[r["id"]]["retrieved"]]
+            assert sum(budgets) <= cap and all(b <= f for b, f in zip(budgets, full))
+            if sum(full) <= cap:
+                assert budgets == full
+        for r in _records(out / f"uniform_cap{cap}" / "predictions.jsonl"):
+            budgets = [m["budget"] for m in r["retrieved"]]
+            assert sum(budgets) == min(cap, cfg.memory.policy.max_budget * len(budgets))
+            assert max(budgets) - min(budgets) <= 1

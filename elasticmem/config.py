@@ -179,7 +179,7 @@ class BankConfig:
     """Which layer's states the content cache holds, as an index of HF ``hidden_states`` (0 = input
     embeddings, -1 = the final layer after the norm: the paper). A departure for small reasoners:
     a middle layer's states keep more of their own tokens than the final layer's, which are shaped
-    to predict the next token (README "Training recipe" has the measurement). Keys are unaffected."""
+    to predict the next token (docs/recipe.md, history). Keys are unaffected."""
     kv_cache: bool = False
     """Also store, for the same n_cache last positions of each chunk, every layer's attention keys
     and values as the frozen encoder computed them over the chunk (manifest ``kv``; shard tensor
@@ -254,7 +254,7 @@ class MemoryConfig:
     per-layer keys and values (a bank built with bank.kv_cache), attended to by every layer of
     the reasoner with keys rotated to where they are placed and no projector: the reader sees
     what it would see reading those positions of the chunk as text, computed over the chunk
-    alone (a departure from the paper; README "Training recipe" has the measurement). Budgets,
+    alone (a departure from the paper; docs/recipe.md has the measurement). Budgets,
     policy, separators and #Tok count the same."""
     recent_max_tokens: int = 2048
     """Token budget of the memories under retrieval='recent' (history truncated from the oldest)."""
@@ -687,7 +687,7 @@ class WarmupConfig:
     start as a close copy of its last tokens' embeddings, which the LM reads as it reads text.
     No LM forward: a step costs one projector pass. The final-layer states keep their own token
     well enough for this (SmolLM2: nearest embedding = own token for ~0.74 of held-out states).
-    A departure from the paper; see README "Training recipe" for its measured effect."""
+    A departure from the paper; docs/recipe.md (history) has its measured effect."""
     align_batch_size: int = 64
     """Chunks per alignment step (all their cached states)."""
     align_lr: float = 1.0e-3

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: install, fetch the offline SmolLM2 model, prepare the
-# synthetic memory task, build its latent memory bank, then a shortened version of the CPU
-# training recipe (README "Training recipe"): the supervised reading warm-up, then GRPO from
-# it; then compare trained ElasticMem on the 208 test questions with the base reasoner without
-# memory (runs/eval/quickstart/comparison.md), from scratch (eval.overwrite=true: a rerun with
-# other settings must not resume the last run's predictions), and draw the learning curves
-# (runs/eval/quickstart/warmup_curves.png, grpo_curves.png). The summary printed last: each system's accuracy
-# with its 95 % interval and n, then the baseline against ElasticMem on the same questions
-# (accuracy difference with its 95 % interval, exact McNemar p, discordant counts).
+# synthetic memory task, build its latent memory bank (layer-mean keys, each chunk's per-layer keys
+# and values), then a shortened version of the training recipe (README "Training", docs/recipe.md):
+# the supervised reading warm-up with the budget policy's supervised start, then GRPO from it; then
+# compare trained ElasticMem on the 208 test questions with the same checkpoint with nothing
+# retrieved (its memory's gain) and with the base reasoner without memory
+# (runs/eval/quickstart/comparison.md), from scratch (eval.overwrite=true: a rerun with other
+# settings must not resume the last run's predictions), and draw the learning curves
+# (runs/eval/quickstart/warmup_curves.png, grpo_curves.png). The summary printed last: each system's
+# accuracy with its 95 % interval and n, then each other system against ElasticMem on the same
+# questions (accuracy difference with its 95 % interval, exact McNemar p, discordant counts).
 #   bash scripts/quickstart.sh [key=value ...]      # overrides go to every step
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

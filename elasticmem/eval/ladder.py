@@ -224,10 +224,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder pool",
                                      description="Compare ladder rungs over several seeds' ladders.")
         ap.add_argument("dirs", nargs="+", help="ladder output folders (eval.output_dir of each seed's ladder)")
+        ap.add_argument("--pairs", default="latent_uniform:latent_learned,no_memory:latent_learned,"
+                                           "latent_oracle:latent_learned",
+                        help="REFERENCE:SYSTEM folder names of each ladder, comma-separated (default: %(default)s)")
         ap.add_argument("--out", help="write the table here (and .json next to it)")
         args = ap.parse_args(argv[1:])
-        data = pool(args.dirs)
+        pairs = [tuple(p.split(":", 1)) for p in args.pairs.split(",") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            ap.error(f"--pairs takes REFERENCE:SYSTEM items, got {args.pairs!r}")
+        data = pool(args.dirs, pairs)
         md = pool_markdown(data, args.dirs)
+        for d in args.dirs:  # each seed's own ladder after the comparison over seeds
+            if (Path(d) / "ladder.md").is_file():
+                md += "\n" + (Path(d) / "ladder.md").read_text().replace("# Reading ladder", "## Reading ladder", 1)
         print(md)
         if args.out:
             Path(args.out).write_text(md)

@@ -73,6 +73,12 @@ class BudgetPolicyConfig:
     injects at least one token (reference code)."""
     product_feature: bool = True
     """Include h*k_j in each memory's features (paper); the reference code omits it."""
+    features: Literal["paper", "normalized"] = "paper"
+    """'paper': [h; k_j; h*k_j; s_j] as they come. 'normalized' (a departure): h L2-normalised
+    (so h*k_j sums to the cosine s_j, and the query state, ~46x a key's norm for SmolLM2, no longer
+    drowns the per-memory parts that tell memories apart), and one more feature, the memory's
+    score standardised within its retrieved set ((s_j - mean) / std over the present memories):
+    which memory stands out, the allocation's question, readable from the first step."""
     max_rank: int = 64
     """Rows of the learned rank embedding; the number Z of retrieved memories must be <= this."""
     uniform_budget: int | None = None
@@ -93,6 +99,8 @@ class BudgetPolicyConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
         _require(self.variant in VARIANTS, f"variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        _require(self.features in ("paper", "normalized"),
+                 f"features must be 'paper' or 'normalized', got {self.features!r}")
         _require(0 <= self.min_budget <= self.max_budget,
                  f"budgets need 0 <= min_budget <= max_budget, got min_budget={self.min_budget}, "
                  f"max_budget={self.max_budget}")
@@ -164,7 +172,7 @@ class BudgetPolicy(nn.Module):
         self.num_classes = cfg.num_classes
         if cfg.variant not in LEARNED_VARIANTS:
             return
-        num_features = (3 if cfg.product_feature else 2) * hidden_size + 1
+        num_features = (3 if cfg.product_feature else 2) * hidden_size + 1 + (cfg.features == "normalized")
         self.input_proj = nn.Linear(num_features, cfg.d_model)
         self.rank_embedding = nn.Embedding(cfg.max_rank, cfg.d_model)
         self.body: nn.Module
@@ -308,9 +316,14 @@ class BudgetPolicy(nn.Module):
     def _embed(self, h: Tensor, keys: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
         """Per-memory inputs [N, Z, d_b]: Linear([h; k_j; h*k_j; s_j]) + rank embedding of j."""
         keys = keys.float()
-        hq = h.float()[:, None, :].expand_as(keys)
+        h = h.float()
+        extra = []
+        if self.cfg.features == "normalized":
+            h = torch.nn.functional.normalize(h, dim=-1)
+            extra = [_standardized(scores.float(), mask)[..., None]]
+        hq = h[:, None, :].expand_as(keys)
         parts = [hq, keys, hq * keys] if self.cfg.product_feature else [hq, keys]
-        features = torch.cat(parts + [scores.float()[..., None]], dim=-1)
+        features = torch.cat(parts + [scores.float()[..., None]] + extra, dim=-1)
         # zero absent slots before the projection: NaN garbage there would otherwise reach the
         # other slots through 0-weight attention (0 * NaN) and the weight gradients
         features = torch.where(mask[..., None], features, 0.0)
@@ -378,6 +391,17 @@ class BudgetPolicy(nn.Module):
         return torch.where(mask, chosen, 0.0), torch.where(mask, entropy, 0.0)
 
 
+def _standardized(scores: Tensor, mask: Tensor) -> Tensor:
+    """[N, Z] scores standardised over each row's present slots ((s - mean) / std, std floored at
+    1e-3; 0 at absent slots and for a row with one memory)."""
+    m = mask.float()
+    n = m.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.where(mask, scores, 0.0)
+    mean = s.sum(-1, keepdim=True) / n
+    var = (torch.where(mask, scores - mean, 0.0) ** 2).sum(-1, keepdim=True) / n
+    return torch.where(mask, (scores - mean) / var.sqrt().clamp(min=1e-3), 0.0)
+
+
 def cap_budgets(budgets: Tensor, value: Tensor, mask: Tensor, cap: int) -> Tensor:
     """Budgets [N, Z] within ``cap`` tokens per row, the lowest-value memories cut first.
 
@@ -409,13 +433,18 @@ def spread_budgets(mask: Tensor, max_budget: int, cap: int | None) -> Tensor:
     return torch.where(mask, each.clamp(max=max_budget), 0).long()
 
 
-def budget_supervision_loss(logits: Tensor, target: Tensor, mask: Tensor, min_budget: int = 0) -> Tensor:
+def budget_supervision_loss(logits: Tensor, target: Tensor, mask: Tensor, min_budget: int = 0,
+                            positive: Tensor | None = None) -> Tensor:
     """Cross-entropy of the policy's budget logits [N, Z, K] towards target budgets [N, Z] (class
-    ``target - min_budget``), averaged over the present slots of ``mask`` [N, Z] (0 without any).
+    ``target - min_budget``) over the present slots of ``mask`` [N, Z] (0 without any).
 
     A departure from the paper (``warmup.budget_weight``): where the data records evidence, the
     target is max_budget for the evidence memories and min_budget for the others, the allocation
-    the elastic budget should learn, as ``retrieval_loss`` supervises retrieval."""
+    the elastic budget should learn, as ``retrieval_loss`` supervises retrieval. With ``positive``
+    [N, Z] (the evidence slots) the classes are balanced: in each set the evidence slots and the
+    others weigh half each, so a memory the features cannot tell from the evidence is kept (its
+    greedy budget is the larger class) rather than dropped because evidence is 1 of Z; without it,
+    the mean over the present slots."""
     _require(logits.dim() == 3 and logits.shape[:2] == target.shape == mask.shape,
              f"logits must be [N, Z, K] and target, mask [N, Z], got {tuple(logits.shape)}, "
              f"{tuple(target.shape)}, {tuple(mask.shape)}")
@@ -423,4 +452,11 @@ def budget_supervision_loss(logits: Tensor, target: Tensor, mask: Tensor, min_bu
         return logits.sum() * 0.0
     classes = (target - min_budget).clamp(0, logits.shape[-1] - 1)
     logp = torch.log_softmax(logits.float(), -1).gather(-1, classes[..., None]).squeeze(-1)
-    return -(logp * mask).sum() / mask.sum()
+    if positive is None:
+        return -(logp * mask).sum() / mask.sum()
+    pos, neg = (positive & mask).float(), (~positive & mask).float()
+    n_pos, n_neg = pos.sum(-1, keepdim=True), neg.sum(-1, keepdim=True)
+    # each set with both kinds weighs 1, half on each kind; a set of one kind weighs 1 on it
+    w = torch.where(n_pos > 0, pos / n_pos.clamp(min=1), 0.0) + torch.where(n_neg > 0, neg / n_neg.clamp(min=1), 0.0)
+    w = w / ((n_pos > 0).float() + (n_neg > 0).float()).clamp(min=1)
+    return -(logp * w).sum() / (mask.any(-1)).sum()

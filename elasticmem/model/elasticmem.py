@@ -104,6 +104,9 @@ class Trajectories:
     (budget allocation), 'generation' (projection, injection, decoding)."""
     budget_actions: bool = True
     """False when no policy chose the budgets (text injection): no budget term in the loss."""
+    retrieved_rows: torch.Tensor | None = None
+    """[N, Z] the rows retrieval gave before ``include_rows`` put the evidence among them
+    (``teacher_forced``; None elsewhere): what the reasoner would have found by itself."""
 
     def __len__(self) -> int:
         return len(self.example_ids)
@@ -199,14 +202,15 @@ class ElasticMem(nn.Module):
             )
         own_key = {"mean": "mean", "prompt": "prompt", "layer_mean": "layer_mean"}.get(cfg.retrieval, "last")
         expected = cfg.key or own_key
-        if cfg.retrieval not in ("semantic", "recent") and bank.key_variant != expected:
+        searches = cfg.top_z > 0  # a no-memory model (top_z 0) never compares query states with keys
+        if searches and cfg.retrieval not in ("semantic", "recent") and bank.key_variant != expected:
             raise BankError(
                 f"bank {bank.root} has '{bank.key_variant}' keys ({bank.key}) but memory.retrieval="
                 f"{cfg.retrieval}{' with memory.key=' + cfg.key if cfg.key else ''} expects '{expected}' keys: "
                 f"query states and keys would not be comparable. Build a bank with bank.key={expected} or "
                 f"choose the retrieval mode of this bank (memory.retrieval={bank.key_variant}, or memory.key)"
             )
-        if cfg.retrieval == "layer_mean" and bank.key_variant != "layer_mean":
+        if searches and cfg.retrieval == "layer_mean" and bank.key_variant != "layer_mean":
             raise BankError(f"memory.retrieval=layer_mean takes its layers from a layer_mean bank; {bank.root} "
                             f"has '{bank.key_variant}' keys")
         self.cfg = cfg
@@ -216,7 +220,7 @@ class ElasticMem(nn.Module):
         self.bank = bank
         self.index = index if index is not None else build_index(bank, IndexConfig(type="torch"))
         self.mapped_index = None  # memory.retrieval_map: f_q(h) against f_k(keys), exact search
-        if cfg.retrieval_map:
+        if cfg.retrieval_map and searches:
             from elasticmem.warmup.retrieval_map import MappedIndex, check_retrieval_map, load_retrieval_map
 
             if cfg.retrieval in ("semantic", "recent"):
@@ -621,8 +625,8 @@ class ElasticMem(nn.Module):
         """
         if len(answers) != len(batch):
             raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
-        prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, 1, True)
-        rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
+        prompts, suffixes, groups, a, logp_a, h, retrieved, scores, mask = self._query_and_retrieve(batch, 1, True)
+        rows, scores, mask = self._include(h, retrieved, scores, mask, include_rows)
         N, Z = rows.shape
         b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator, include_rows)
         _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
@@ -642,7 +646,7 @@ class ElasticMem(nn.Module):
             logp_control=logp_a, logp_budget=logp_b, entropy_budget=ent_b, logp_answer=torch.zeros(N, T),
             query_state=h.detach().cpu(), answer_temperature=1.0, control_temperature=1.0, greedy=False,
             num_tokens=task_tokens + counts.sum(-1) + n_mem * len(self.sep_ids) + answer_mask.sum(-1),
-            memory_tokens=counts.sum(-1), budget_actions=self.cfg.injection == "latent",
+            memory_tokens=counts.sum(-1), budget_actions=self.cfg.injection == "latent", retrieved_rows=retrieved,
         )
 
     def reconstruction_logps(

@@ -443,8 +443,9 @@ def _reconstruct(model, w, chunk_rows: list[int], gen: torch.Generator, metrics_
 
 
 def _budget_supervision(model, traj, batch: Sequence[Example], evidence: dict[str, set[int]]):
-    """``budget_supervision_loss`` of the policy on this step's memories (train mode), and the
-    mean budget the policy's argmax gives evidence and other memories (``budget/*``)."""
+    """``budget_supervision_loss`` of the policy on this step's memories (train mode, evidence and
+    other memories balanced), and the mean budget the policy's argmax gives evidence and other
+    memories (``budget/*``)."""
     from elasticmem.model.budget_policy import budget_supervision_loss
 
     top, low = model.cfg.policy.max_budget, model.cfg.policy.min_budget
@@ -455,7 +456,7 @@ def _budget_supervision(model, traj, batch: Sequence[Example], evidence: dict[st
     target = torch.where(is_ev, top, low).to(dev)
     h = traj.query_state.to(dev)
     logits = model.policy.logits(h, model._policy_inputs(h, traj.rows), traj.scores.to(dev), mask, target)
-    loss = budget_supervision_loss(logits, target, mask, low)
+    loss = budget_supervision_loss(logits, target, mask, low, positive=is_ev.to(dev))
     with torch.no_grad():
         chosen = logits.argmax(-1) + low
         ev, other = mask & is_ev.to(dev), mask & ~is_ev.to(dev)
@@ -489,7 +490,7 @@ def _recall_before(model, traj, batch: Sequence[Example], evidence: dict[str, se
     """Fraction of questions with evidence whose retrieval (before evidence was added) found any."""
     from elasticmem.eval.retrieval import recall_at_k
 
-    rows, _ = model.retrieve(batch)
+    rows = traj.retrieved_rows if traj.retrieved_rows is not None else model.retrieve(batch)[0]
     if rows.shape[1] == 0:
         return None
     r = recall_at_k(rows, [evidence.get(ex.id, set()) for ex in batch], [rows.shape[1]])

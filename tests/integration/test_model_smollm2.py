@@ -5,13 +5,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import ROOT, requires_smollm2
 
 
 @requires_smollm2
-def test_sample_greedy_score_on_smollm2(tmp_path):
+@pytest.mark.parametrize("content", ["hidden", "kv"])
+def test_sample_greedy_score_on_smollm2(tmp_path, content):
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_bank
     from elasticmem.config import BankConfig, ModelConfig, load_config
@@ -19,10 +21,12 @@ def test_sample_greedy_score_on_smollm2(tmp_path):
     from elasticmem.model.elasticmem import ElasticMem
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", ["data.synthetic.num_histories=10", "memory.top_z=6",
-                                                         "memory.policy.max_budget=6"])
+                                                         "memory.policy.max_budget=6", f"memory.content={content}"])
     examples = generate(cfg.data.synthetic, seed=0)["test"][:3]
     backbone = load_backbone(ModelConfig(name_or_path="smollm2", device="cpu"))
-    build_bank({"test": examples}, backbone, cfg.chunking, BankConfig(dir=str(tmp_path / "bank"), n_cache=6),
+    build_bank({"test": examples}, backbone, cfg.chunking, BankConfig(dir=str(tmp_path / "bank"), n_cache=6,
+                                                                               kv_cache=content == "kv",
+                                                                               key=cfg.bank.key),
                torch.float32, show_progress=False)
     bank = Bank.open(tmp_path / "bank", expect_fingerprint=backbone.fingerprint)
     torch.manual_seed(0)

@@ -458,3 +458,42 @@ def test_budget_supervision_loss_is_the_cross_entropy_and_teaches_the_policy():
         opt.step()
     assert torch.equal(policy.sample(h, keys, scores, mask, greedy=True).budgets, torch.where(mask, target, 0))
     assert budget_supervision_loss(logits, target, torch.zeros_like(mask)) == 0
+
+
+def test_normalized_features_ignore_the_query_scale_and_read_the_relative_score():
+    from elasticmem.model.budget_policy import _standardized
+
+    h, keys, scores, mask = make_inputs()
+    policy = make_policy("transformer", features="normalized")
+    torch.testing.assert_close(policy.logits(h * 37.0, keys, scores, mask), policy.logits(h, keys, scores, mask))
+    assert not torch.allclose(make_policy("transformer").logits(h * 37.0, keys, scores, mask),
+                              make_policy("transformer").logits(h, keys, scores, mask))
+    z = _standardized(scores, mask)
+    for i in range(mask.shape[0]):
+        s = scores[i][mask[i]]
+        if len(s) > 1:
+            torch.testing.assert_close(z[i][mask[i]], (s - s.mean()) / s.std(unbiased=False))
+        assert (z[i][~mask[i]] == 0).all()
+    # garbage at absent slots does not reach the present ones
+    k2, s2 = garbage_at_masked(keys, scores, mask, seed=1)
+    torch.testing.assert_close(policy.logits(h, k2, s2, mask)[mask], policy.logits(h, keys, scores, mask)[mask])
+
+
+def test_balanced_budget_supervision_weighs_evidence_and_others_half_each():
+    from elasticmem.model.budget_policy import budget_supervision_loss
+
+    h, keys, scores, mask = make_inputs(n=6, seed=4)
+    positive = torch.zeros_like(mask)
+    positive[0, 1] = positive[4, [0, 3]] = positive[5, :] = True
+    target = torch.where(positive, 7, 0)
+    logits = make_policy("transformer").logits(h, keys, scores, mask)
+    logp = torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
+    terms = []
+    for i in range(6):
+        p, n = positive[i] & mask[i], ~positive[i] & mask[i]
+        parts = [t for t in (logp[i][p].mean() if p.any() else None, logp[i][n].mean() if n.any() else None)
+                 if t is not None]
+        if parts:
+            terms.append(-sum(parts) / len(parts))
+    torch.testing.assert_close(budget_supervision_loss(logits, target, mask, positive=positive),
+                               torch.stack(terms).mean())

@@ -197,6 +197,8 @@ def test_bank_and_model_key_variants_must_agree(banks):
     # memory.key allows a deliberate cross pairing; the paper's modes keep working on paper banks
     ElasticMem(fresh_backbone(), memory_cfg(retrieval="frozen", key="mean"), banks["mean"])
     ElasticMem(fresh_backbone(), memory_cfg(retrieval="control"), banks["last"])
+    # a model that retrieves nothing (the no-memory control, top_z 0) never compares them
+    ElasticMem(fresh_backbone(), memory_cfg(retrieval="layer_mean", top_z=0), banks["last"])
 
 
 # --------------------------------------------------------------------------- learned map

@@ -407,7 +407,10 @@ def bench_builder(model_name: str, args, cfg, examples, n_chunks: int, workdir: 
     decoder = backbone.model.get_decoder()
     timed_dtype = B.resolve_cache_dtype("auto", device)
     bs = args.batch_size or cfg.bank.batch_size
-    cfg = dataclasses.replace(cfg, bank=dataclasses.replace(cfg.bank, batch_size=bs))
+    # The paper's bank (last-state keys, hidden-state content only), the figures on record: the
+    # preset's layer-mean keys name layers a 2-layer test model lacks, and the bytes check below
+    # counts hidden states only.
+    cfg = dataclasses.replace(cfg, bank=dataclasses.replace(cfg.bank, batch_size=bs, key="last", kv_cache=False))
     log(f"[build] {model_name}: loaded in {load_s:.1f} s on {device}, d={backbone.hidden_size}, "
         f"{n_chunks} chunks, batch {bs}, timed cache dtype {timed_dtype}")
 

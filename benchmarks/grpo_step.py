@@ -557,6 +557,14 @@ def summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
 # =========================================================================== one model
 
 
+# The paper's memory (last-state keys, control-token retrieval, hidden states through the
+# projector): TRL's text prompts are retrieved with the same keys, and the figures on record are
+# for it. The SmolLM2 preset reads per-layer KV with layer-mean keys and a trained map (a file
+# this benchmark does not have).
+PAPER_MEMORY = ["bank.key=last", "bank.kv_cache=false", "memory.retrieval=control", "memory.retrieval_map=null",
+                "memory.content=hidden", "memory.policy.features=paper"]
+
+
 def tiny_overrides(preset: TinyModelConfig, shape: TinyModelConfig) -> list[str]:
     """``model.tiny.*`` overrides that turn the preset's tiny model into ``shape``."""
     out = []
@@ -585,7 +593,7 @@ def bench_model(name: str, args, workdir: Path, dev: Device) -> dict[str, Any] |
 
 def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce) -> dict[str, Any] | None:
     preset = PRESETS[name]
-    cfg = load_config(str(preset))
+    cfg = load_config(str(preset), PAPER_MEMORY)
     shape_overrides: list[str] = []
     if name in RANDOM_MODELS:
         # the preset's tiny model (tokenizer settings, seed) with a released model's decoder shape
@@ -634,6 +642,7 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
     common = [
         f"seed={cfg.seed}", f"model.device={dev.kind}", *shape_overrides, f"data.dir={data_dir}",
         f"memory.top_z={Z}", f"train.max_steps={steps}", f"train.batch_size={B}", f"train.group_size={G}",
+        *PAPER_MEMORY,
         f"train.micro_batch_size={micro}", "train.num_iterations=1", "train.temperature=1.0",
         "train.eval_split=", "train.save_every=1000000", "train.resume=false", "train.trackers=[]",
         f"memory.lora.target_modules={json.dumps(lora_targets(cfg))}",

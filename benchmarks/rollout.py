@@ -245,7 +245,10 @@ def setup(model_name: str, args, workdir: Path):
     examples = generate(cfg.data.synthetic, cfg.seed)
     batch, members = pick_examples(examples, args.batch)
     bank_dir = workdir / f"bank-{model_name}"
-    bank_cfg = dataclasses.replace(cfg.bank, dir=str(bank_dir), overwrite=True, verify=False)
+    # The paper's bank (last-state keys, no per-layer KV), which MemoryConfig() reads: the preset's
+    # layer-mean keys name layers a 2-layer test model lacks, and its KV cache is not what is timed.
+    bank_cfg = dataclasses.replace(cfg.bank, dir=str(bank_dir), overwrite=True, verify=False,
+                                   key="last", kv_cache=False)
     cache_dtype = resolve_cache_dtype("auto", backbone.device)  # float32 on CPU, float16 on CUDA
     t = time.perf_counter()
     res = build_bank({"bench": members}, backbone, cfg.chunking, bank_cfg, cache_dtype, show_progress=False)

@@ -25,5 +25,23 @@ if ! python -c "import torch" >/dev/null 2>&1; then
     pip install -q "torch==$TORCH_VERSION" ${ELASTICMEM_TORCH_INDEX:+--index-url "$ELASTICMEM_TORCH_INDEX"}
   fi
 fi
-echo "[setup] installing elasticmem[${EXTRAS:-dev}]" >&2
-pip install -q -e ".[${EXTRAS:-dev}]"
+# pip takes ~20 s even when everything is installed, and every script sources this: skip it when
+# this checkout was installed into this venv, from the same pyproject.toml, with at least these
+# extras (an editable install follows code changes by itself).
+stamp="$VENV/.elasticmem-installed"
+key="$(pwd) $(sha256sum pyproject.toml | cut -d' ' -f1)"
+installed() {
+  [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$key" ] || return 1
+  local have=",$(sed -n 2p "$stamp")," e
+  IFS=, read -r -a want <<< "${EXTRAS:-dev}"
+  for e in "${want[@]}"; do case "$have" in *",$e,"*) ;; *) return 1 ;; esac; done
+  python -c "import elasticmem" >/dev/null 2>&1
+}
+if installed; then
+  echo "[setup] elasticmem[${EXTRAS:-dev}] already installed in $VENV" >&2
+else
+  echo "[setup] installing elasticmem[${EXTRAS:-dev}]" >&2
+  rm -f "$stamp"
+  pip install -q -e ".[${EXTRAS:-dev}]"
+  printf '%s\n%s\n' "$key" "${EXTRAS:-dev}" > "$stamp"
+fi

@@ -134,3 +134,38 @@ def test_cost_dial_keeps_each_question_within_its_cap(ladder_run):
             budgets = [m["budget"] for m in r["retrieved"]]
             assert sum(budgets) == min(cap, cfg.memory.policy.max_budget * len(budgets))
             assert max(budgets) - min(budgets) <= 1
+
+
+def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_path):
+    """``python -m elasticmem.eval.ladder pool``: a second "seed" is the ladder with some learned
+    answers flipped; per seed, pooled and by-seed figures recount from the two folders."""
+    import shutil
+
+    from elasticmem.eval import ladder, stats
+
+    _, out = ladder_run
+    other = tmp_path / "seed1"
+    shutil.copytree(out, other)
+    path = other / "latent_learned" / "predictions.jsonl"
+    recs = _records(path)
+    for r in recs[:5]:
+        r["correct"] = not r["correct"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert ladder.main(["pool", str(out), str(other), "--pairs", "latent_uniform:latent_learned",
+                        "--out", str(tmp_path / "summary.md")]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())["latent_learned - latent_uniform"]
+    diffs, ca_all, cb_all = [], [], []
+    for i, d in enumerate((out, other)):
+        a = {r["id"]: bool(r["correct"]) for r in _records(d / "latent_uniform" / "predictions.jsonl")}
+        b = {r["id"]: bool(r["correct"]) for r in _records(d / "latent_learned" / "predictions.jsonl")}
+        ids = sorted(a)
+        pc = stats.paired_comparison([a[k] for k in ids], [b[k] for k in ids])
+        assert got["per_seed"][i]["only_b_correct"] == pc.only_b_correct
+        assert got["per_seed"][i]["only_a_correct"] == pc.only_a_correct
+        diffs.append(sum(b.values()) / len(b) - sum(a.values()) / len(a))
+        ca_all += [a[k] for k in ids]
+        cb_all += [b[k] for k in ids]
+    pooled = stats.paired_comparison(ca_all, cb_all)
+    assert got["pooled"]["n"] == len(ca_all) and got["pooled"]["p_value"] == pytest.approx(pooled.p_value)
+    assert got["by_seed"]["difference"] == pytest.approx(sum(diffs) / 2)
+    assert "latent_learned - latent_uniform" in (tmp_path / "summary.md").read_text()

@@ -21,7 +21,8 @@ def test_sample_greedy_score_on_smollm2(tmp_path, content):
     from elasticmem.model.elasticmem import ElasticMem
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", ["data.synthetic.num_histories=10", "memory.top_z=6",
-                                                         "memory.policy.max_budget=6", f"memory.content={content}"])
+                                                         "memory.policy.max_budget=6", f"memory.content={content}",
+                                                         "memory.retrieval_map=null"])  # no trained map here
     examples = generate(cfg.data.synthetic, seed=0)["test"][:3]
     backbone = load_backbone(ModelConfig(name_or_path="smollm2", device="cpu"))
     build_bank({"test": examples}, backbone, cfg.chunking, BankConfig(dir=str(tmp_path / "bank"), n_cache=6,

@@ -28,20 +28,22 @@ fi
 # pip takes ~20 s even when everything is installed, and every script sources this: skip it when
 # this checkout was installed into this venv, from the same pyproject.toml, with at least these
 # extras (an editable install follows code changes by itself).
-stamp="$VENV/.elasticmem-installed"
-key="$(pwd) $(sha256sum pyproject.toml | cut -d' ' -f1)"
-installed() {
-  [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$key" ] || return 1
-  local have=",$(sed -n 2p "$stamp")," e
+_stamp="$VENV/.elasticmem-installed"
+_key="$(pwd) $({ sha256sum pyproject.toml 2>/dev/null || shasum -a 256 pyproject.toml; } | cut -d' ' -f1)"  # shasum: macOS
+_installed() {
+  [ -f "$_stamp" ] && [ "$(head -1 "$_stamp")" = "$_key" ] || return 1
+  local have=",$(sed -n 2p "$_stamp")," e want
   IFS=, read -r -a want <<< "${EXTRAS:-dev}"
   for e in "${want[@]}"; do case "$have" in *",$e,"*) ;; *) return 1 ;; esac; done
   python -c "import elasticmem" >/dev/null 2>&1
 }
-if installed; then
+if _installed; then
   echo "[setup] elasticmem[${EXTRAS:-dev}] already installed in $VENV" >&2
 else
   echo "[setup] installing elasticmem[${EXTRAS:-dev}]" >&2
-  rm -f "$stamp"
+  rm -f "$_stamp"
   pip install -q -e ".[${EXTRAS:-dev}]"
-  printf '%s\n%s\n' "$key" "${EXTRAS:-dev}" > "$stamp"
+  printf '%s\n%s\n' "$_key" "${EXTRAS:-dev}" > "$_stamp"
 fi
+unset -f _installed
+unset _stamp _key

@@ -28,6 +28,8 @@ never uses the cache, ``=refresh`` recomputes and rewrites it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import inspect
 import json
@@ -41,6 +43,7 @@ import tempfile
 import time
 import warnings
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
@@ -368,6 +371,19 @@ def _four_bit_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
     }
 
 
+def _placement_kwargs(device: torch.device) -> dict:
+    """Load every weight straight onto ``device`` (``device_map``), not into host memory first.
+
+    Without it from_pretrained materialises the whole model on the host and ``.to(device)``
+    copies it over: each process of a launch holds the full weights in RAM at once (8 ranks of a
+    7B in bf16: 8 x 15 GB). With a one-device map the safetensors shards are read (mmap) and each
+    tensor is copied to the device as it is loaded. Not under DeepSpeed ZeRO-3, which refuses a
+    device_map (it places the weights itself when it wraps the model)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": device}}
+
+
 def _tokenizer_class(path: str):
     """AutoTokenizer, except for folders saved with the generic tokenizers backend.
 
@@ -400,9 +416,7 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
 
         path = resolve_model_path(cfg)
         kwargs = dict(trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
-        model_kwargs = {}
-        if cfg.load_in_4bit:
-            model_kwargs = _four_bit_kwargs(dev, dtype)
+        model_kwargs = _four_bit_kwargs(dev, dtype) if cfg.load_in_4bit else _placement_kwargs(dev)
         key_before = weights_identity(path, cfg, dtype)
         try:
             tokenizer = _tokenizer_class(path).from_pretrained(path, **kwargs)
@@ -420,6 +434,8 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not cfg.load_in_4bit:  # a quantized model is placed by from_pretrained and cannot be cast
+        # loaded on dev already (_placement_kwargs): a no-op for the weights; casts the buffers
+        # (rotary inv_freq) to dtype as before
         model = model.to(device=dev, dtype=dtype)
     model = model.eval()
     model.requires_grad_(False)
@@ -685,10 +701,50 @@ def cached_fingerprint(model: torch.nn.Module, tokenizer, key: dict, mode: str |
     mode = mode or fingerprint_cache_mode()
     if mode == "off":
         return model_fingerprint(model, tokenizer), f"computed (cache off: {FINGERPRINT_CACHE_ENV}=off)"
-    if mode == "on":
-        hit = read_cached_fingerprint(key)
+    if mode == "refresh":  # asked to recompute: every process does, as told
+        return _compute_and_store(model, tokenizer, key, mode)
+    hit = read_cached_fingerprint(key)
+    if hit is not None:
+        return hit, "cache"
+    with _fill_lock(key):
+        hit = read_cached_fingerprint(key)  # written by the process this one waited for
         if hit is not None:
             return hit, "cache"
+        return _compute_and_store(model, tokenizer, key, mode)
+
+
+@contextlib.contextmanager
+def _fill_lock(key: dict) -> Iterator[None]:
+    """Hold an exclusive flock on ``key``'s lock file while the block runs.
+
+    Every process of a launch asks for the fingerprint at about the same time (the bank check):
+    on a cold cache each would hash the whole model (a 7B: ~90 s of a CPU core and 30 GB read as
+    float32, eight times over on a node). Under the lock one process computes and writes the entry
+    and the others, once it is released, read it. A file lock rather than a barrier
+    (accelerate's main_process_first): the fingerprint is a lazy property, first read wherever a
+    program happens to need it, not always at the same point on every process, where a
+    collective would hang; the lock needs no collective and also serves separate jobs sharing the
+    cache (array tasks, nodes with a shared home). Where the folder cannot be written or its file
+    system has no flock, no lock: every process computes, as without it. The kernel releases the
+    lock of a process that dies."""
+    path = fingerprint_cache_path(key)
+    fd = None
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # read-only suffices for flock, so a lock file made by another user of a shared cache works
+        fd = os.open(path.with_name(f".{path.stem}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    if fd is None:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock (the file stays: removing it would race with waiters)
+
+
+def _compute_and_store(model: torch.nn.Module, tokenizer, key: dict, mode: str) -> tuple[str, str]:
     value = model_fingerprint(model, tokenizer)
     try:
         write_cached_fingerprint(key, value)

@@ -108,8 +108,8 @@ class IndexConfig:
 
     type: Literal["torch", "flat", "ivf", "hnsw"] = "torch"
     """'torch' and 'flat' (FAISS IndexFlatIP) are exact; 'ivf' and 'hnsw' are approximate FAISS
-    indexes for large shared banks. Search restricted to a group is exact for exact types and
-    uses an ID-range filter for approximate ones. Above ~100k chunks use 'hnsw' (at 1M keys, 2
+    indexes for large shared banks. Search restricted to a group is exact for every type (a
+    matrix product over the group's keys, bank/index.py). Above ~100k chunks use 'hnsw' (at 1M keys, 2
     CPU cores, default settings: recall@20 0.956 in 0.07x the exact search's time; built in
     ~6 min) or 'ivf' (0.960 in 0.11x; built in ~2 min); below, exact search is fast enough."""
     nlist: int = 0
@@ -129,8 +129,9 @@ class IndexConfig:
     save: bool = True
     """Write approximate indexes to index.faiss in the bank folder and reuse them."""
     gpu: bool = False
-    """Search 'flat' and 'ivf' indexes on the GPU (faiss-gpu; model.device's GPU, else GPU 0).
-    Searches restricted to a group run on the CPU copy: faiss-gpu takes no ID-range filter."""
+    """Search 'flat' and 'ivf' indexes on the GPU (faiss-gpu; model.device's GPU, else GPU 0),
+    copied there at the first unrestricted search. Searches restricted to a group multiply the
+    group's keys (moved at each search) on that GPU too."""
 
 
 @dataclass
@@ -463,6 +464,13 @@ class TrainConfig:
     """G: trajectories per query (paper: 4)."""
     micro_batch_size: int = 8
     """Trajectories per scoring forward/backward; gradients are accumulated over a step."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing: each decoder layer's activations (and the answer logits, in
+    chunks) are recomputed in backward instead of kept, so a scoring micro-batch holds about one
+    layer's activations instead of all of them, for about one more forward pass of time
+    (torch's non-reentrant checkpoint; the reentrant one under DeepSpeed ZeRO-3). Rollouts and
+    evaluation (eval mode, no gradients) are unaffected and keep their KV cache. Gradients are
+    the same; the reading warm-up's steps read it too."""
     num_iterations: int = 1
     """Optimizer steps per rollout batch, reusing its old log-probs (reference code: 2)."""
     temperature: float = 1.0
@@ -514,6 +522,11 @@ class TrainConfig:
     """Queries per greedy evaluation batch."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """accelerate mixed precision: auto = bf16 on CUDA, none on CPU."""
+    dist_timeout_s: float = 1800.0
+    """Seconds a collective (a barrier, a gradient all-reduce) waits for the slowest process
+    before the run is aborted (the process group's timeout; PyTorch's NCCL default is 600).
+    Covers checkpoint writes and the end-of-run evaluation; a hung process is still caught
+    within the half hour."""
     trackers: list[str] = field(default_factory=list)
     """Extra accelerate trackers, e.g. [tensorboard] or [wandb] (metrics.jsonl is always written)."""
     replay_rollouts: str | None = None
@@ -556,6 +569,12 @@ class EvalConfig:
     """Evaluate only the first N examples of the split (quick runs); 0 = all."""
     batch_size: int = 8
     """Examples per greedy batch (per process)."""
+    dist_timeout_s: float = 86400.0
+    """Seconds a process waits at a barrier for the others before the evaluation is aborted
+    (the process group's timeout; PyTorch's NCCL default is 600). Generous: with A-Mem, Mem0 or
+    LangMem one process may build a conversation's memory for hours while the others, done,
+    wait at the final barrier. A crash still ends the processes of its node at once (the
+    launcher stops them); this bounds what a hung process costs."""
     output_dir: str = "runs/eval/default"
     """Where results.json, predictions.jsonl, report.md, plots and case_study.md go (one
     subfolder per variant when eval.variants is set). Rerunning the same evaluation resumes:

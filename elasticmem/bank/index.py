@@ -1,13 +1,23 @@
 """Cosine top-k over bank keys, optionally restricted to one group per query.
 
 Keys are L2-normalised, so cosine is the inner product; queries are
-normalised here. Exact search: ``torch`` (matmul + topk) or FAISS ``flat``.
-Approximate search for large shared banks: FAISS ``ivf`` (IVFFlat, inner
-product) or ``hnsw`` (HNSWFlat, inner product). ``flat`` and ``ivf`` can search on
-a GPU (``index.gpu``, faiss-gpu). A group occupies one contiguous row range
-(more after appends), so exact restricted search is a slice of the keys and
-approximate restricted search an ``IDSelectorRange`` filter (``IDSelectorBatch``
-over the group's rows once it has several ranges).
+normalised here. A search restricted to a group (training and evaluation
+restrict every query to its group) is exact for every index type: a matrix
+product of the queries with the group's keys, on ``index.device`` (the model's
+device when the caller sets it; ``cuda:gpu_device`` with ``bank.index.gpu``;
+else the CPU). A group occupies one contiguous row range (more after appends);
+only its rows travel to the device, block by block, at each call: no device
+holds the bank's keys for restricted search. Unrestricted search (and a group
+that is the whole bank) goes to the index named by ``bank.index.type``: exact
+``torch`` (the same matrix product over every row) or FAISS ``flat``, or, for
+large shared banks, FAISS ``ivf`` (IVFFlat, inner product) or ``hnsw``
+(HNSWFlat, inner product). ``flat`` and ``ivf`` can search on a GPU
+(``index.gpu``, faiss-gpu), whose copy of the index is made at the first
+unrestricted search (never, when every query is restricted).
+
+Exact results are ordered by descending score, equal scores by ascending row
+(also at the k-th place: a tie across it keeps its lowest rows), as FAISS does
+not promise (it orders exact ties, e.g. of repeated chunks, differently with k).
 
 A bank that grew (``elasticmem.bank.append``) is searched through ``refresh(bank)``: the new
 rows are added to the index (FAISS adds them to the trained IVF lists or the HNSW
@@ -71,20 +81,103 @@ def _empty(n: int, k: int) -> SearchResult:
     return SearchResult(torch.full((n, k), float("-inf")), torch.full((n, k), -1, dtype=torch.long))
 
 
+BLOCK_BYTES = 256 << 20
+"""Keys one step of an exact search multiplies at once (float32 bytes; twice that on CUDA, in
+float64): the most of them on the device at a time. A group's rows are moved to the device at
+each call rather than cached there: a group of 1000 rows of d=3584 is 14 MB, milliseconds over
+PCIe next to a forward pass of the model, the keys are read from the memory-mapped shards
+either way, and nothing goes stale when the bank grows."""
+
+
+def _top(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` scores [Q, k] and their columns of ``s`` [Q, n] (k <= n): by descending score,
+    equal scores by ascending column (also at the cut: the lowest columns of a tie are kept).
+    NaN scores rank below every number (their score reads -inf)."""
+    nan = s.isnan()
+    if nan.any():
+        s = s.masked_fill(nan, float("-inf"))
+    vals, cols = torch.topk(s, k, dim=1)
+    v = vals[:, -1:]
+    cut = ((s == v).sum(1) > (vals == v).sum(1)).nonzero().squeeze(1)  # ties across the cut
+    if cut.numel():  # keep the lowest columns of the tie: those above it, then the first tied ones
+        sc, vc = s[cut], v[cut]
+        above, tied = sc > vc, sc == vc
+        need = k - above.sum(1, keepdim=True)
+        keep = above | (tied & (tied.cumsum(1, dtype=torch.int32) <= need))
+        cols[cut] = keep.nonzero()[:, 1].view(-1, k)  # row-major: each row's columns ascending
+    cols = cols.sort(dim=1).values
+    vals, order = s.gather(1, cols).sort(dim=1, descending=True, stable=True)
+    return vals, cols.gather(1, order)
+
+
+def _blocks(segs: Sequence[tuple[int, int]], rows: int):
+    """The row ranges of ``segs`` (in row order) in blocks of at most ``rows`` rows."""
+    block, n = [], 0
+    for a, b in segs:
+        while a < b:
+            m = min(b - a, rows - n)
+            block.append((a, a + m))
+            a, n = a + m, n + m
+            if n == rows:
+                yield block
+                block, n = [], 0
+    if block:
+        yield block
+
+
+def exact_search(q: torch.Tensor, k: int, segs: Sequence[tuple[int, int]], keys_of,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Exact top-``min(k, rows)`` (scores, global rows), both [Q, min(k, rows)] on the CPU, of the
+    normalised queries ``q`` [Q, d] over the rows ``segs`` (``[start, end)`` ranges in row order)
+    whose keys ``keys_of(start, end)`` gives; None when ``segs`` holds no row. The product runs on
+    ``device``, a block of rows (``BLOCK_BYTES``) at a time; on CUDA in float64, so that neither an
+    enclosing autocast nor TF32 matmuls change the ranking (float32 elsewhere)."""
+    device = torch.device(device)
+    kk = min(k, sum(b - a for a, b in segs))
+    if kk == 0:
+        return None
+    dtype = torch.float64 if device.type == "cuda" else torch.float32
+    qd = q.to(device, dtype)
+    per_block = max(1, BLOCK_BYTES // (4 * q.shape[1]))
+    scores, rows = [], []
+    with torch.autocast(device.type, enabled=False):
+        for block in _blocks(segs, per_block):
+            keys = torch.cat([keys_of(a, b) for a, b in block]) if len(block) > 1 else keys_of(*block[0])
+            s, c = _top((qd @ keys.to(device, dtype).T).float(), min(kk, keys.shape[0]))
+            ids = torch.cat([torch.arange(a, b) for a, b in block]).to(device)
+            scores.append(s)
+            rows.append(ids[c])
+    s, r = torch.cat(scores, 1), torch.cat(rows, 1)
+    if len(scores) > 1:  # merge the blocks' candidates: equal scores already stand in row order
+        s, c = _top(s, kk)  # (blocks in row order, and ties by row inside each)
+        r = r.gather(1, c)
+    return s.cpu(), r.cpu()
+
+
+def _fill(res: SearchResult, idx: list[int], found) -> None:
+    if found is not None:
+        t, (s, r) = torch.as_tensor(idx), found
+        res.scores[t, : s.shape[1]] = s
+        res.rows[t, : r.shape[1]] = r
+
+
 class TorchIndex:
     """Exact search by matrix product over the bank's memory-mapped keys, or over other
-    per-row vectors ``keys`` [rows, d'] (e.g. sentence embeddings of the chunk texts)."""
+    per-row vectors ``keys`` [rows, d'] (e.g. sentence embeddings of the chunk texts), on
+    ``device`` (an attribute the caller may set: the model's device)."""
 
-    def __init__(self, bank: Bank, keys: torch.Tensor | None = None):
+    def __init__(self, bank: Bank, keys: torch.Tensor | None = None, device: torch.device | str = "cpu"):
         if keys is not None and keys.shape[0] != bank.num_chunks:
             raise ValueError(f"got {keys.shape[0]} key rows for a bank of {bank.num_chunks}")
         self.bank = bank
         self._keys = keys
+        self.device = torch.device(device)
 
     def refresh(self, bank: Bank) -> "TorchIndex":
         if self._keys is not None:
             raise ValueError("a TorchIndex over given vectors cannot follow a growing bank; build it anew")
-        return self if bank is self.bank else TorchIndex(bank)  # it reads the bank's keys: nothing to add
+        # it reads the bank's keys: nothing to add
+        return self if bank is self.bank else TorchIndex(bank, device=self.device)
 
     def _keys_of(self, start: int, end: int) -> torch.Tensor:
         return self.bank.keys(start, end) if self._keys is None else self._keys[start:end]
@@ -94,30 +187,24 @@ class TorchIndex:
         res = _empty(q.shape[0], k)
         for g, idx in _by_group(groups, q.shape[0]).items():
             segs = ((0, self.bank.num_chunks),) if g is None else self.bank.group_segments(g)
-            if len(segs) == 1:
-                (start, end), ids = segs[0], None
-                keys = self._keys_of(start, end)
-            else:
-                keys = torch.cat([self._keys_of(a, b) for a, b in segs])
-                ids = torch.cat([torch.arange(a, b) for a, b in segs])
-            kk = min(k, keys.shape[0])
-            if kk == 0:
-                continue
-            s, r = torch.topk(q[idx] @ keys.T, kk, dim=-1)
-            t = torch.as_tensor(idx)
-            res.scores[t, :kk] = s
-            res.rows[t, :kk] = r + segs[0][0] if ids is None else ids[r]
+            _fill(res, idx, exact_search(q[idx], k, segs, self._keys_of, self.device))
         return res
 
 
 class FaissIndex:
-    """FAISS flat (exact), IVF or HNSW over all keys; groups via an ID-range selector."""
+    """FAISS flat (exact), IVF or HNSW over all keys for unrestricted search; a search restricted
+    to a group is the exact matrix product over the group's keys on ``device`` (an attribute the
+    caller may set: the model's device; None = ``cuda:gpu_device`` with ``cfg.gpu``, else the CPU)."""
 
-    def __init__(self, bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0):
+    def __init__(self, bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0,
+                 device: torch.device | str | None = None):
         import faiss
 
         self.faiss, self.bank, self.cfg = faiss, bank, cfg
         self.seed, self.gpu_device = seed, gpu_device
+        if device is None:
+            device = f"cuda:{gpu_device}" if cfg.gpu else "cpu"
+        self.device = torch.device(device)
         if cfg.gpu:  # refused before any build
             if cfg.type == "hnsw":
                 raise ValueError("bank.index.gpu: faiss-gpu has no HNSW index; use type 'flat' or 'ivf'")
@@ -125,7 +212,12 @@ class FaissIndex:
                 raise ValueError("bank.index.gpu needs faiss-gpu and a CUDA GPU (pip uninstall -y faiss-cpu && "
                                  "pip install 'elasticmem[gpu]'); this faiss sees no GPU")
         self.index = self._load_or_build(seed)
-        self.gpu_index = self._to_gpu(gpu_device) if cfg.gpu else None
+        self.gpu_index = None  # with cfg.gpu: made by the first unrestricted search (_gpu)
+
+    def _gpu(self):
+        if self.gpu_index is None:
+            self.gpu_index = self._to_gpu(self.gpu_device)
+        return self.gpu_index
 
     def _to_gpu(self, device: int):
         faiss = self.faiss
@@ -142,11 +234,11 @@ class FaissIndex:
         if bank is self.bank:
             return self
         if not bank.extends(self.bank):
-            return FaissIndex(bank, self.cfg, self.seed, self.gpu_device)
+            return FaissIndex(bank, self.cfg, self.seed, self.gpu_device, self.device)
         tail = np.ascontiguousarray(bank.keys(self.index.ntotal, bank.num_chunks).numpy(), dtype=np.float32)
         if len(tail):
             self.index.add(tail)
-            if self.gpu_index is not None:
+            if self.gpu_index is not None:  # one not made yet is copied from self.index, tail included
                 self.gpu_index.add(tail)
         self.bank = bank
         return self
@@ -221,29 +313,26 @@ class FaissIndex:
             self._save(index, path, meta)
         return index
 
-    def _params(self, sel):
+    def _params(self):
         faiss, cfg = self.faiss, self.cfg
         if cfg.type == "ivf":
-            return faiss.SearchParametersIVF(sel=sel, nprobe=cfg.nprobe)
+            return faiss.SearchParametersIVF(nprobe=cfg.nprobe)
         if cfg.type == "hnsw":
-            return faiss.SearchParametersHNSW(sel=sel, efSearch=cfg.ef_search)
-        return faiss.SearchParameters(sel=sel) if sel is not None else None
+            return faiss.SearchParametersHNSW(efSearch=cfg.ef_search)
+        return None
 
     def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
-        q = _normalise(queries).numpy()
+        q = _normalise(queries)
         res = _empty(q.shape[0], k)
         for g, idx in _by_group(groups, q.shape[0]).items():
-            sel = None
-            if g is not None:
-                segs = self.bank.group_segments(g)
-                if len(segs) > 1:
-                    sel = self.faiss.IDSelectorBatch(self.bank.group_row_ids(g).numpy())
-                elif segs[0] != (0, self.bank.num_chunks):
-                    sel = self.faiss.IDSelectorRange(*segs[0])
-            if sel is None and self.gpu_index is not None:
-                D, I = self.gpu_index.search(q[idx], k)
+            segs = None if g is None else self.bank.group_segments(g)
+            if segs is not None and segs != ((0, self.bank.num_chunks),):
+                _fill(res, idx, exact_search(q[idx], k, segs, self.bank.keys, self.device))
+                continue
+            if self.cfg.gpu:
+                D, I = self._gpu().search(q[idx].numpy(), k)
             else:
-                D, I = self.index.search(q[idx], k, params=self._params(sel))
+                D, I = self.index.search(q[idx].numpy(), k, params=self._params())
             t = torch.as_tensor(idx)
             rows = torch.from_numpy(I).long()
             scores = torch.from_numpy(D).float()
@@ -252,10 +341,13 @@ class FaissIndex:
         return res
 
 
-def build_index(bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0) -> KeyIndex:
-    """The index named by ``cfg.type`` over ``bank`` (``gpu_device``: the GPU of ``cfg.gpu``)."""
+def build_index(bank: Bank, cfg: IndexConfig, seed: int = 0, gpu_device: int = 0,
+                device: torch.device | str | None = None) -> KeyIndex:
+    """The index named by ``cfg.type`` over ``bank`` (``gpu_device``: the GPU of ``cfg.gpu``).
+    ``device``: where exact searches (restricted to a group; every search of 'torch') multiply,
+    best the model's device; None = ``cuda:gpu_device`` with ``cfg.gpu``, else the CPU."""
     if cfg.type == "torch":
         if cfg.gpu:
             raise ValueError("bank.index.gpu applies to FAISS indexes ('flat', 'ivf'), not 'torch'")
-        return TorchIndex(bank)
-    return FaissIndex(bank, cfg, seed, gpu_device)
+        return TorchIndex(bank, device="cpu" if device is None else device)
+    return FaissIndex(bank, cfg, seed, gpu_device, device)

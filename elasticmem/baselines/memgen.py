@@ -99,7 +99,7 @@ class Weaver(nn.Module):
 
 
 class Trigger(nn.Module):
-    """Invoke / skip logits [n, 2] from the reasoner's final state [n, d] at a decision point."""
+    """Invoke / skip logits [n, 2] (float32) from the reasoner's final state [n, d] at a decision point."""
 
     def __init__(self, d: int, hidden: int) -> None:
         super().__init__()
@@ -108,7 +108,8 @@ class Trigger(nn.Module):
         nn.init.zeros_(self.net[-1].bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.net(h)
+        # the state in the weights' dtype (DeepSpeed's bf16 mode casts them), the decision in float32
+        return self.net(h.to(self.net[0].weight.dtype)).float()
 
 
 def _left_pad(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,13 +184,14 @@ class MemGen(ElasticMem):
         if K == 0:
             return q.new_zeros(len(contexts), 0, q.shape[1])
         dtype = self.base.get_input_embeddings().weight.dtype
-        emb, mask, pos = _left_pad([self.weaver.to_weaver(c.float()) for c in contexts])
+        own = self.weaver.to_weaver.weight.dtype  # float32, or bf16 when DeepSpeed casts the whole model
+        emb, mask, pos = _left_pad([self.weaver.to_weaver(c.to(own)) for c in contexts])
         emb = torch.cat([emb, q.expand(len(contexts), -1, -1)], 1).to(dtype)
         start = mask.sum(-1, keepdim=True)
         pos = torch.cat([pos, start + torch.arange(K, device=mask.device)], 1)
         mask = torch.cat([mask, torch.ones(len(contexts), K, dtype=mask.dtype, device=mask.device)], 1)
         H, _ = self._forward_hidden(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=False)
-        return self.weaver.to_reasoner(H[:, -K:].float())
+        return self.weaver.to_reasoner(H[:, -K:].to(own)).float()
 
     # ------------------------------------------------------------------ rollouts
 
@@ -243,7 +245,7 @@ class MemGen(ElasticMem):
         n = h.shape[0]
         if self.memgen.trigger == "always":
             return torch.ones(n, dtype=torch.long), torch.zeros(n), torch.zeros(n)
-        logp = torch.log_softmax(self.trigger(h.float()), -1)
+        logp = torch.log_softmax(self.trigger(h), -1)
         d = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(1)
         return d.cpu(), logp.gather(1, d[:, None]).squeeze(1).cpu(), -(logp.exp() * logp).sum(-1).cpu()
 
@@ -350,17 +352,16 @@ class MemGen(ElasticMem):
         logits = self._logits(H[:, -1])
         nxt = mask.sum(-1)  # [N] next position id of each row
         done = torch.zeros(N, dtype=torch.bool, device=device)
-        answers: list[list[int]] = [[] for _ in range(N)]
-        logps: list[list[float]] = [[] for _ in range(N)]
+        # per step, on the device: the tokens [N], their log-probs [N] and which rows were still
+        # answering; moved to the host once, after the loop (no per-token, per-row syncs)
+        steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         decisions: list[list[tuple]] = [[] for _ in range(N)]
         inserted = torch.zeros(N, dtype=torch.long, device=device)
         for t in range(T):
             lp = torch.log_softmax(logits / temperature, -1)
             tok = lp.argmax(-1) if greedy else torch.multinomial(lp.exp(), 1).squeeze(1)
             tok = torch.where(done, torch.full_like(tok, self.tokenizer.pad_token_id), tok)
-            for i in (~done).nonzero().reshape(-1).tolist():
-                answers[i].append(int(tok[i]))
-                logps[i].append(float(lp[i, tok[i]]))
+            steps.append((tok, lp.gather(1, tok[:, None]).squeeze(1), ~done))
             done = done | torch.isin(tok, eos_ids)
             if t == T - 1 or bool(done.all()):
                 break
@@ -398,6 +399,9 @@ class MemGen(ElasticMem):
             nxt[invoke] += K
             for k, i in enumerate(invoke.tolist()):
                 seq[i].append(block[i])
+        toks, lps, alive = (torch.stack(x, 1).cpu() for x in zip(*steps))  # [N, steps] each
+        answers = [row[keep].tolist() for row, keep in zip(toks, alive)]
+        logps = [row[keep].tolist() for row, keep in zip(lps, alive)]
         return answers, logps, decisions
 
     # ------------------------------------------------------------------ scoring
@@ -461,8 +465,8 @@ class MemGen(ElasticMem):
                 p = pred[i][0] if t == 0 else after.get(t - 1, pos_tok[i][t - 1])
                 src[i, t] = p + pad
         src = src.to(device)
-        logits = self._logits(H[torch.arange(N, device=device)[:, None], src]) / traj.answer_temperature
-        logp = torch.log_softmax(logits, -1).gather(-1, traj.answer_ids.to(device)[..., None]).squeeze(-1)
+        logp = self._token_logps(H[torch.arange(N, device=device)[:, None], src], traj.answer_ids,
+                                 traj.answer_temperature)
         logp = torch.where(traj.answer_mask.to(device), logp, torch.zeros_like(logp))
         D = traj.decision_pos.shape[1]
         lp_d = torch.zeros(N, D, device=device)
@@ -474,7 +478,7 @@ class MemGen(ElasticMem):
                 for j, t in enumerate(traj.decision_pos[i].tolist()):
                     if t >= 0:
                         at[i, j] = pos_tok[i][t] + pad
-            lg = torch.log_softmax(self.trigger(H[torch.arange(N, device=device)[:, None], at.to(device)].float()), -1)
+            lg = torch.log_softmax(self.trigger(H[torch.arange(N, device=device)[:, None], at.to(device)]), -1)
             dec = (traj.budgets > 0).long().to(device)
             dm = traj.mask.to(device)
             lp_d = torch.where(dm, lg.gather(-1, dec[..., None]).squeeze(-1), lp_d)

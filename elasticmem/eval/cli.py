@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.utils.configuration import load
     from elasticmem.utils.distributed import process_state
 
-    state = process_state()
+    state = process_state(timeout_s=cfg.eval.dist_timeout_s)  # one group for every variant
     main_proc = state.is_main_process
     try:
         variants = cfg.eval.variants or {cfg.eval.system: []}

@@ -81,6 +81,11 @@ def read_parts(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def _barrier(state) -> None:
+    # The wait at the end can last hours (one process still building an A-Mem / Mem0 / LangMem
+    # memory for its conversations): the process group's timeout allows it (eval.dist_timeout_s,
+    # set by evaluate.py; PyTorch's NCCL default of 10 minutes would abort the job). A barrier
+    # rather than the main process polling the part files: polling would need its own timeout and
+    # its own check for a dead process, and the next variant's first barrier would wait as long.
     if state is not None and state.num_processes > 1:
         state.wait_for_everyone()
 

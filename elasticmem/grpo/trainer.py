@@ -58,7 +58,7 @@ from elasticmem.grpo.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import ConfigError
 from elasticmem.utils.configuration import save as save_config
-from elasticmem.utils.distributed import full_parameters, gathered
+from elasticmem.utils.distributed import full_parameters, gathered, process_group_kwargs
 
 # --------------------------------------------------------------------------- data order
 
@@ -115,8 +115,8 @@ def _accelerator(cfg: Config):
     mp = ("bf16" if cuda else "no") if mp == "auto" else mp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]  # e.g. projector when all budgets are 0
-    if not cuda and world > 1:  # DeepSpeed on CPU needs gloo (DESIGN.md section 4)
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    gloo = not cuda and world > 1  # DeepSpeed on CPU needs gloo (DESIGN.md section 4)
+    handlers.append(InitProcessGroupKwargs(**process_group_kwargs(cfg.train.dist_timeout_s, gloo)))
     deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")  # set by accelerate launch for DeepSpeed configs
     acc = Accelerator(cpu=not cuda and not deepspeed, mixed_precision=mp, kwargs_handlers=handlers,
                       log_with=list(cfg.train.trackers) or None, project_dir=cfg.train.output_dir)
@@ -242,14 +242,14 @@ def greedy_eval(model, examples: Sequence[Example], reward_fn, batch_size: int, 
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.max_steps", "train.epochs", "train.stop_after_steps", "train.save_every", "train.keep_last",
     "train.log_every", "train.log_rollouts", "train.eval_split", "train.eval_every", "train.eval_limit",
-    "train.eval_batch_size", "train.micro_batch_size", "train.trackers", "train.record_rollouts",
-    "train.resume", "model.device", "model.cache_dir", "data.dir", "bank.dir", "bank.verify",
-    "bank.overwrite", "bank.batch_size", "bank.index.save", "eval.", "amem.",
+    "train.eval_batch_size", "train.micro_batch_size", "train.gradient_checkpointing", "train.trackers",
+    "train.record_rollouts", "train.resume", "model.device", "model.cache_dir", "data.dir", "bank.dir",
+    "bank.verify", "bank.overwrite", "bank.batch_size", "bank.index.save", "eval.", "amem.",
 )
 """Config keys (or sections, ending in '.') a resumed run may change: how long to run, how
 often to log, save and evaluate, where files are, and how much fits in memory at once
-(micro-batches change memory, not results). Moving data.dir or bank.dir is allowed because
-the bank's encoder and corpus fingerprints are checked on their own."""
+(micro-batches and activation checkpointing change memory, not results). Moving data.dir or
+bank.dir is allowed because the bank's encoder and corpus fingerprints are checked on their own."""
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -335,6 +335,9 @@ def train(cfg: Config) -> dict[str, Any]:
         model = MemGen(backbone, mem_cfg, cfg.memgen, bank, index)
     else:
         model = ElasticMem(backbone, mem_cfg, bank, index)
+    if t.gradient_checkpointing:
+        plugin = acc.state.deepspeed_plugin
+        model.enable_activation_checkpointing(reentrant=plugin is not None and plugin.zero_stage == 3)
     examples = load_split(cfg.data.dir, t.split)
     # everything that would otherwise fail at some batch hours in (the evaluation split too)
     for split, exs in [(t.split, examples)] + ([(t.eval_split, _eval_examples(cfg))] if t.eval_split else []):

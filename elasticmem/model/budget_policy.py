@@ -21,8 +21,10 @@ with ``K = max_budget - min_budget + 1`` classes, class ``c`` meaning budget
 entropies are computed by the same code for every variant.
 
 Slots whose ``mask`` is False (fewer than Z memories retrieved) get budget 0,
-log-prob 0 and entropy 0, and never influence the other slots. All math runs
-in float32, whatever the input dtype or an enclosing autocast.
+log-prob 0 and entropy 0, and never influence the other slots. Sampling,
+log-probabilities and entropies run in float32, whatever the input dtype, an
+enclosing autocast or the parameters' dtype (DeepSpeed's bf16 mode casts the
+whole model to bf16: the features are then cast to it and the logits back).
 
 Test with::
 
@@ -159,9 +161,10 @@ class BudgetPolicy(nn.Module):
     Inputs of every method (N retrieved sets, Z slots, d = hidden_size):
     ``h`` [N, d] query states, ``keys`` [N, Z, d], ``scores`` [N, Z] cosine scores,
     ``mask`` [N, Z] bool, True where a memory was retrieved. Values at masked
-    slots are ignored (they may be garbage, even NaN). Keep the module's
-    parameters in float32. The caller detaches the inputs if the policy
-    should not send gradients into the reasoner.
+    slots are ignored (they may be garbage, even NaN). Parameters in float32 keep
+    the whole network in float32; bf16 ones (DeepSpeed's bf16 mode) run it in bf16
+    with float32 logits. The caller detaches the inputs if the policy should not
+    send gradients into the reasoner.
     """
 
     def __init__(self, cfg: BudgetPolicyConfig, hidden_size: int) -> None:
@@ -328,9 +331,10 @@ class BudgetPolicy(nn.Module):
         # other slots through 0-weight attention (0 * NaN) and the weight gradients
         features = torch.where(mask[..., None], features, 0.0)
         # Called as a module, not indexed through .weight: ZeRO-3 gathers a partitioned
-        # parameter only inside its module's forward.
+        # parameter only inside its module's forward (its dtype is known without the gather).
+        # The features follow the weights' dtype: DeepSpeed's bf16 mode casts them to bf16.
         ranks = torch.arange(keys.shape[1], device=features.device)
-        return self.input_proj(features) + self.rank_embedding(ranks)
+        return self.input_proj(features.to(self.input_proj.weight.dtype)) + self.rank_embedding(ranks)
 
     def _decision_tokens(self, classes: Tensor, mask: Tensor) -> Tensor:
         """[N, Z] long: the decision token slot j sees (start, class of b_{j-1} + 1, or absent)."""
@@ -339,12 +343,12 @@ class BudgetPolicy(nn.Module):
         return torch.cat([start, handed_on[:, :-1]], dim=1)
 
     def _forward(self, x: Tensor, mask: Tensor, tokens: Tensor | None) -> Tensor:
-        """[N, Z, d_b] inputs -> [N, Z, K] logits."""
+        """[N, Z, d_b] inputs -> [N, Z, K] float32 logits (whatever the parameters' dtype)."""
         if tokens is not None:
             x = x + self.decision_embedding(tokens)
         if self.cfg.variant == "mlp":
-            return self.head(self.body(x))
-        return self.head(self.body(x, mask=self._attention_mask(mask)))
+            return self.head(self.body(x)).float()
+        return self.head(self.body(x, mask=self._attention_mask(mask))).float()
 
     def _attention_mask(self, mask: Tensor) -> Tensor:
         """[N * heads, Z, Z] bool, True where query slot i may not attend to key slot j."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 import warnings
@@ -260,6 +261,8 @@ class ElasticMem(nn.Module):
         self.sep_ids = self.tokenizer(cfg.separator, add_special_tokens=False)["input_ids"]
         self.eos_ids = eos_token_ids(self.base, self.tokenizer)
         self._warned: set[str] = set()
+        self._checkpointing: dict | None = None  # torch.utils.checkpoint's kwargs once enabled
+        self._adapter_disabled = False  # inside _decoder(disable_adapter=True)
         self._chunk_tokens: dict[int, list[int]] = {}  # bank row -> token ids (text injection)
         self._recent: dict[str, list[int]] = {}  # group -> rows (retrieval 'recent')
 
@@ -288,8 +291,18 @@ class ElasticMem(nn.Module):
         """Token ids of prompt(q) and suffix(u) for one example (``encode_prompt``)."""
         return encode_prompt(self.tokenizer, self.cfg, ex)
 
+    @contextlib.contextmanager
     def _decoder(self, disable_adapter: bool = False):
-        return self.lm.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        """The block runs the reasoner, or with ``disable_adapter`` the frozen base model (LoRA off)."""
+        if not disable_adapter:
+            yield
+            return
+        before, self._adapter_disabled = self._adapter_disabled, True
+        try:
+            with self.lm.disable_adapter():
+                yield
+        finally:
+            self._adapter_disabled = before
 
     def _forward_hidden(self, **kw) -> tuple[torch.Tensor, object]:
         """Final-layer states (after the final norm) [N, L, d] and the KV cache."""
@@ -298,6 +311,60 @@ class ElasticMem(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.base.get_output_embeddings()(h).float()
+
+    def _token_logps(self, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log softmax(logits(h) / temperature)[target] for states ``h`` [..., d] and ``targets`` [...]
+        -> [...] float32 (``token_logps``; its chunks are recomputed in backward under activation
+        checkpointing)."""
+        d = h.shape[-1]
+        out = token_logps(self.base.get_output_embeddings(), h.reshape(-1, d), targets.to(h.device).reshape(-1),
+                          temperature, recompute=self._checkpointing)
+        return out.reshape(targets.shape)
+
+    def enable_activation_checkpointing(self, reentrant: bool = False) -> None:
+        """Recompute the decoder layers' activations in backward instead of keeping them
+        (``train.gradient_checkpointing``), and the logits of ``_token_logps``' chunks.
+
+        Only forward passes in train mode with gradients are checkpointed (scoring, the warm-up's
+        steps): rollouts and evaluation (eval mode, ``no_grad``) run as before, KV cache included.
+        ``reentrant``: torch's reentrant variant instead of the non-reentrant one, for DeepSpeed
+        ZeRO-3, whose partitioned frozen parameters fail the non-reentrant recompute's checks
+        (deepspeedai/DeepSpeed#4332); it needs each layer's input to require grad, which
+        transformers' input-embedding hook ensures (installed with it, removed otherwise).
+        """
+        base, kwargs = self.base, {"use_reentrant": reentrant}
+        if hasattr(base, "activation_checkpointing_enable"):  # the newer name (the old one warns)
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if not reentrant:
+            # the hook makes every embedding output require grad: only the reentrant variant
+            # needs it (it sees no gradient path otherwise when the embeddings are frozen)
+            base.disable_input_require_grads()
+        for m in base.modules():
+            if getattr(m, "_gradient_checkpointing_func", None) is not None:
+                m._gradient_checkpointing_func = self._same_adapter_state(m._gradient_checkpointing_func)
+            if self.rotary is not None and hasattr(m, "_can_checkpoint_with_cache"):
+                # KV memories reach the layers as a cache, which transformers drops from checkpointed
+                # layers unless they only read it: ``score`` hands them a read-only one (``_read_only``)
+                m._can_checkpoint_with_cache = True
+        self._checkpointing = kwargs
+
+    def _same_adapter_state(self, checkpoint_func):
+        """``checkpoint_func`` (``checkpoint_func(function, *args)``) whose recomputation runs with
+        the adapter as the forward pass had it: a pass of the frozen base model (warm-up
+        reconstruction, MemGen's reasoner) is recomputed in backward, after its
+        ``_decoder(disable_adapter=True)`` block has exited, and would otherwise run with LoRA on."""
+        def run(function, *args, **kwargs):
+            off = self._adapter_disabled
+
+            def replay(*a, **kw):
+                with self._decoder(disable_adapter=off and not self._adapter_disabled):
+                    return function(*a, **kw)
+
+            return checkpoint_func(replay, *args, **kwargs)
+
+        return run
 
     # ------------------------------------------------------------------ step 1: query states
 
@@ -559,6 +626,7 @@ class ElasticMem(nn.Module):
         texts = [self.encode_texts(ex) for ex in batch]
         return self._query_states([t[0] for t in texts], [ex.question for ex in batch], 1, greedy)[2]
 
+    @torch.no_grad()  # also keeps its cached forward passes out of activation checkpointing in train mode
     def retrieve(self, batch: Sequence[Example], greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-2 only (query state and top-Z search; no budgets, no generation), as in a rollout.
 
@@ -823,11 +891,10 @@ class ElasticMem(nn.Module):
         N = len(traj.example_ids)
         answers = [traj.answer_ids[i][traj.answer_mask[i]].tolist() for i in range(N)]
         x = self._assemble(self.trajectory_layouts(traj, answers))
-        H, _ = self._forward_hidden(**x.forward_kwargs(), use_cache=False)
+        H, _ = self._forward_hidden(**_read_only(x).forward_kwargs(), use_cache=False)
         ar = torch.arange(N, device=device)
         if mode == "control":
-            logits_a = self._logits(H[ar, x.query_pos - 1]) / traj.control_temperature
-            logp_control = torch.log_softmax(logits_a, -1).gather(1, traj.control.to(device)[:, None]).squeeze(1)
+            logp_control = self._token_logps(H[ar, x.query_pos - 1], traj.control, traj.control_temperature)
         else:
             logp_control = torch.zeros(N, device=device)
         own_state = mode in ("control", "query_only")
@@ -857,8 +924,7 @@ class ElasticMem(nn.Module):
         # target token t sits at answer_start + t and is predicted from the position before it
         t_idx = torch.arange(T, device=device)
         pos = (answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
-        logits = self._logits(H[torch.arange(N, device=device)[:, None], pos]) / temperature  # [N, T, V]
-        logp = torch.log_softmax(logits, -1).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+        logp = self._token_logps(H[torch.arange(N, device=device)[:, None], pos], targets, temperature)
         valid = t_idx[None, :] < lengths.to(device)[:, None]
         return torch.where(valid, logp, torch.zeros_like(logp))
 
@@ -947,6 +1013,62 @@ def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+LOGIT_CHUNK_ELEMENTS = 2**26
+"""Logits (rows x vocabulary) one chunk of ``token_logps`` holds: 256 MB in float32 (441 rows of
+Qwen2.5's 152k vocabulary)."""
+
+
+def token_logps(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                chunk_elements: int | None = None, recompute: dict | None = None) -> torch.Tensor:
+    """``log_softmax(head(h) / temperature)[target]`` of each row: ``h`` [M, d], ``targets`` [M] -> [M] float32.
+
+    The target's logit minus the row's logsumexp, over chunks of at most ``chunk_elements``
+    logits (None: ``LOGIT_CHUNK_ELEMENTS``), so the [M, V] logits (in the head's dtype, their
+    float32 copy, the scaled copy and the log-softmax: ~10 GB at the warm-up reconstruction's
+    16 x 257 rows of a 152k vocabulary) never exist at once. With gradients, autograd still
+    keeps each chunk's float32 logits for backward unless ``recompute`` (``torch.utils.checkpoint``'s
+    kwargs, e.g. ``{"use_reentrant": False}``) recomputes them there, one chunk at a time, from
+    the chunk's rows of ``h``.
+    """
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    rows = max(1, (chunk_elements or LOGIT_CHUNK_ELEMENTS) // vocab)
+
+    def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        z = head(hc).float()
+        if temperature != 1.0:
+            z = z / temperature
+        return z.gather(-1, tc[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+    if h.shape[0] <= rows:  # one chunk: nothing to bound by recomputing it
+        return chunk(h, targets)
+    out = []
+    for a in range(0, h.shape[0], rows):
+        hc, tc = h[a : a + rows], targets[a : a + rows]
+        if recompute is not None and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out.append(checkpoint(chunk, hc, tc, **recompute))
+        else:
+            out.append(chunk(hc, tc))
+    return torch.cat(out)
+
+
+def _read_only(x: Assembled) -> Assembled:
+    """``x`` with its KV memory cache (if any) made read-only: each layer's ``update`` returns the
+    memory slots followed by the call's keys and values and stores nothing, so that a layer
+    recomputed under activation checkpointing reads the same memories as its first pass (an
+    appending cache would hold the text tokens twice by then). For scoring (``use_cache=False``:
+    nothing reads the grown cache afterwards)."""
+    if x.cache is not None:
+        for layer in x.cache.layers:
+            layer.update = functools.partial(_prepend_memories, layer)
+    return x
+
+
+def _prepend_memories(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+    return torch.cat([layer.keys, keys], -2), torch.cat([layer.values, values], -2)
 
 
 def decoding_config(cfg: MemoryConfig, tokenizer, eos_ids: list[int], temperature: float, greedy: bool):

@@ -4,24 +4,42 @@ On a machine without CUDA the processes must be told to use the CPU, or accelera
 leaves each of them alone and unsynchronised (every such wrong launch still exits 0;
 DESIGN.md section 4). ``process_state`` does that and refuses a launch whose
 processes did not join one group.
+
+The process group's timeout is how long a collective (a barrier) waits for the slowest
+process before the job is torn down: PyTorch's default is 10 minutes under NCCL (30 under
+gloo). Training and evaluation set it from their config (``train.dist_timeout_s``,
+``eval.dist_timeout_s``; ``process_group_kwargs``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from datetime import timedelta
+from typing import Any, Iterator
 
 import torch
 
 
-def process_state():
-    """The ``accelerate.PartialState`` of this process, distributed over gloo on CPU-only machines."""
+def process_group_kwargs(timeout_s: float, gloo: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``init_process_group`` (as accelerate's ``InitProcessGroupKwargs`` or
+    ``PartialState`` take them): the timeout of every collective, and the gloo backend when asked
+    (CPU processes; otherwise accelerate picks the backend)."""
+    if not timeout_s > 0:
+        raise ValueError(f"the process-group timeout must be > 0 seconds, got {timeout_s}")
+    return {"timeout": timedelta(seconds=timeout_s), **({"backend": "gloo"} if gloo else {})}
+
+
+def process_state(timeout_s: float | None = None):
+    """The ``accelerate.PartialState`` of this process, distributed over gloo on CPU-only machines.
+
+    ``timeout_s``: the process group's timeout (None: PyTorch's default). It only applies to the
+    first call in a process, which creates the group; later calls return the same state."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
+    state = PartialState(cpu=cpu, **(process_group_kwargs(timeout_s) if timeout_s is not None else {}))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and state.num_processes != world:
         raise RuntimeError(
@@ -63,6 +81,10 @@ def full_parameters(accelerator, model) -> Iterator[None]:
     and the reference forward run the unwrapped model, so they gather everything first and
     take the engine's hooks off meanwhile (the hooks would re-partition the weights after
     each submodule), as TRL's ``unwrap_model_for_generation`` does. A collective.
+
+    So every rollout moves the whole frozen base to every process and holds it there: with LoRA
+    (a few tens of millions of trainable parameters) ZeRO-3 costs traffic and saves no peak
+    memory; docs/cluster.md ("DDP, ZeRO-2 or ZeRO-3") has the figures.
     """
     if not is_zero3(accelerator):
         yield

@@ -155,6 +155,8 @@ def warmup(cfg: Config) -> dict[str, Any]:
         model = MemGen(backbone, mem_cfg, cfg.memgen, bank, index)
     else:
         model = ElasticMem(backbone, mem_cfg, bank, index)
+    if cfg.train.gradient_checkpointing:  # one process, no DeepSpeed: the non-reentrant variant
+        model.enable_activation_checkpointing()
     if w.init_from:
         from elasticmem.grpo.trainer import check_init
 
@@ -283,7 +285,8 @@ def warmup(cfg: Config) -> dict[str, Any]:
 
 WARMUP_MAY_CHANGE = ("warmup.save_every", "warmup.stop_after_steps", "warmup.eval_split", "warmup.eval_limit")
 """Warm-up keys a resumed run may change (with the trainer's ``RESUME_MAY_CHANGE``, and the
-GRPO-only ``train.*`` keys, which the warm-up reads only for gradient clipping and evaluation)."""
+GRPO-only ``train.*`` keys, which the warm-up reads only for gradient clipping, evaluation and
+activation checkpointing, which changes memory, not results)."""
 
 
 def _resumable(cfg: Config, out: Path) -> Path | None:

@@ -13,7 +13,10 @@ ports) is started for the module and taken down by PID at its end. Then:
 - ``slurm/build_bank.sbatch`` as a 2-task job array, then a merge job that depends on it
   (``--dependency=afterok``), gives the bank one process builds, byte for byte.
 
-And without a scheduler: what each of 2 nodes x 8 GPUs would launch (stand-in commands).
+And without a scheduler: what each of 2 nodes x 8 GPUs would launch (stand-in commands; the
+launcher's srun asks for the job's CPUs again), what accelerate makes of that launch with the
+DeepSpeed configs (each node's own processes through torchrun, not pdsh), and that both scripts
+ask for host memory.
 
 Needs Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them when missing) and root
 (munged runs as user munge, the daemons as root). Without them the scheduler tests skip and say why;
@@ -42,6 +45,8 @@ from elasticmem.utils import checkpointing as ckpt
 TOOLS = ("sbatch", "scancel", "squeue", "sinfo", "slurmctld", "slurmd", "munged", "munge")
 # 20 short steps (~2.5 s on 2 cores): room for a signal sent after the first to land mid-run
 STEPS = 20
+# the scripts ask for a GPU node's memory (--mem): more than this machine may have
+MEM = "--mem=1G"
 TRAIN = (f"train.max_steps={STEPS}", "train.save_every=5", "train.eval_split=", "train.group_size=4",
          "train.warmup_steps=0", "memory.top_z=2")
 
@@ -177,7 +182,7 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
 def _sbatch_train(c: Cluster, root: Path, out: Path, *extra: str, wait: bool = True) -> str:
     """Submit slurm/train.sbatch on the tiny preset with 2 processes on the CPU node; its job id.
     ``wait``: until it leaves the queue, which must be as COMPLETED."""
-    args = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}",
+    args = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}", MEM,
             f"--output={out}.slurm.out", "slurm/train.sbatch", "configs/tiny.yaml", f"data.dir={root}/data",
             f"bank.dir={root}/bank", f"train.output_dir={out}", *TRAIN, *extra]
     env = {**_env(), "SLURM_CONF": c.env["SLURM_CONF"], "GPUS_PER_NODE": "2", "MAIN_PORT": str(_free_port())}
@@ -249,7 +254,7 @@ def test_bank_array_job_then_dependent_merge_equals_a_one_process_build(slurm, t
     examples = {split: load_split(cfg.data.dir, split) for split in cfg.bank.splits}
     build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     env = {**_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
-    opts = ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={tmp_path}/bank-%A_%a.out"]
+    opts = ["--gpus-per-node=0", "--cpus-per-task=1", MEM, f"--output={tmp_path}/bank-%A_%a.out"]
     array = slurm.run("sbatch", "--parsable", "--array=0-1", *opts, "slurm/build_bank.sbatch", *common,
                       f"bank.dir={tmp_path}/array", env=env).stdout.strip().split(";")[0]
     merge = slurm.run("sbatch", "--parsable", f"--dependency=afterok:{array}", *opts, "slurm/build_bank.sbatch",
@@ -273,8 +278,9 @@ def test_two_nodes_each_launch_their_own_rank_on_the_head_node_rendezvous(tmp_pa
         # (head -n 1) close the pipe first, as a long node list does, so a SIGPIPE under pipefail shows
         "scontrol": 'echo "gpu-a1"; sleep 0.3; echo "gpu-a2"',
         "nvidia-smi": "exit 0",
-        # srun: run the step once per node, as each node would, with its own SLURM_NODEID
-        "srun": 'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i "${@: -3}"; done',
+        # srun: record its options, run the step once per node, as each node would, with its own SLURM_NODEID
+        "srun": f'printf "<%s>" "${{@:1:$#-3}}" > {tmp_path}/srun; '
+                'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i "${@: -3}"; done',
         # one <argument> each, so that an argument split at a space would show
         "accelerate": f'{{ echo -n "node=$SLURM_NODEID cpu=${{ACCELERATE_USE_CPU:-}} "; printf "<%s>" "$@"; echo; }} '
                       f'>> {tmp_path}/launches',
@@ -284,13 +290,15 @@ def test_two_nodes_each_launch_their_own_rank_on_the_head_node_rendezvous(tmp_pa
         (bin_ / name).chmod(0o755)
     # the submission folder has no .venv, whose activation would put the real accelerate first
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-a[1-2]",
-               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path))
+               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_CPUS_PER_TASK="16")
     p = subprocess.run(["bash", str(ROOT / "slurm/train.sbatch"), "configs/quickstart.yaml", "train.lr=1e-4",
                         "memory.suffix_template=Answer: {choices}"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     launches = (tmp_path / "launches").read_text().splitlines()
     assert len(launches) == 2
+    # the launcher's step asks for the job's CPUs again (srun does not inherit them since Slurm 22.05)
+    assert (tmp_path / "srun").read_text() == "<--ntasks=2><--ntasks-per-node=1><--cpus-per-task=16>"
     for rank, line in enumerate(launches):
         assert line.startswith(f"node={rank} cpu= <launch>")
         for part in ("<--num_machines><2>", "<--num_processes><16>", f"<--machine_rank><{rank}>",
@@ -300,3 +308,38 @@ def test_two_nodes_each_launch_their_own_rank_on_the_head_node_rendezvous(tmp_pa
         # each override arrives as one argument, spaces included
         assert line.endswith("<train.py><--config><configs/quickstart.yaml><train.lr=1e-4>"
                              "<memory.suffix_template=Answer: {choices}>"), line
+
+
+
+def test_sbatch_scripts_ask_for_host_memory():
+    """Without --mem a job gets the cluster's default (DefMemPerCPU: often a few GB per CPU), too
+    little to load a 7B or train an index; both scripts ask for memory, which the command line's
+    --mem overrides (as the scheduler tests above do: this machine may have less)."""
+    import re
+
+    for script in ("train.sbatch", "build_bank.sbatch"):
+        lines = (ROOT / "slurm" / script).read_text().splitlines()
+        assert sum(bool(re.fullmatch(r"#SBATCH --mem=\d+G", x)) for x in lines) == 1, script
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_deepspeed_configs_launch_each_nodes_own_processes(config):
+    """What ``accelerate launch`` makes of slurm/train.sbatch's arguments on node 1 of 2 with a
+    DeepSpeed config (accelerate's own parsing and launch preparation; nothing is started): the
+    node starts its own 8 processes through torchrun (rank 1 of 2 nodes, rendezvous on the head
+    node), as the DDP config does; not the ``deepspeed`` runner with pdsh, accelerate's default
+    for several machines, which would try to ssh into a hostfile's hosts from each node's task."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args = launch_command_parser().parse_args([
+        "--config_file", str(ROOT / "configs/accelerate" / config), "--num_machines", "2", "--num_processes", "16",
+        "--machine_rank", "1", "--main_process_ip", "gpu-a1", "--main_process_port", "29500",
+        "train.py", "--config", "configs/quickstart.yaml"])
+    args, defaults, _ = _validate_launch_command(args)
+    assert args.use_deepspeed
+    args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config)  # as launch_command sets it
+    cmd, _ = prepare_deepspeed_cmd_env(args)
+    assert cmd is None, cmd  # None: torchrun in this process, not a `deepspeed ... --launcher pdsh` command
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "8")
+    assert args.rdzv_endpoint == "gpu-a1:29500"

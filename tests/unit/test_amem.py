@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
@@ -809,3 +810,66 @@ def test_no_repeat_ngram_decoding_equals_transformers_own(tiny_backbone, one_thr
     schema = prompts.note_schema(cfg)
     (o,) = backend.generate([GenRequest(prompts.note_messages("cat dog", "today"), 400, schema, no_repeat_ngram=3)])
     assert accepts(schema, o.text) and schema.validate(json.loads(o.text)) == []
+
+
+class _AcceleratorTensor(torch.Tensor):
+    """A CPU tensor that keeps CUDA's device rules, standing in for logits on an accelerator (no GPU
+    here): an operation that mixes it with a host tensor of one or more dimensions fails, except
+    indexing it with host indices (PyTorch moves those over); a host tensor indexed by it fails, and
+    so does sampling it with a CPU generator. ``.cpu()`` gives a plain host tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs).as_subclass(torch.Tensor)
+        leaves = tree_leaves((args, kwargs))
+        on_device = any(isinstance(t, cls) for t in leaves)
+        if on_device and any(isinstance(g, torch.Generator) and g.device.type == "cpu" for g in leaves):
+            raise RuntimeError(f"{func.__name__}: device tensor sampled with a CPU generator")
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            if on_device and not isinstance(args[0], cls):
+                raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        elif on_device and any(type(t) is torch.Tensor and t.dim() > 0 for t in leaves):
+            raise RuntimeError(f"{func.__name__}: expected all tensors to be on the same device")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_transformers_backend_choosers_get_host_logits_when_the_model_runs_on_an_accelerator(
+        tiny_backbone, one_thread):
+    """With the model on a GPU its logits are device tensors while the token chooser's tables and
+    sampling generator live on the host. Logits that follow CUDA's device rules
+    (``_AcceleratorTensor``) decode constrained JSON and free text, greedy and sampled, without a
+    device mix, and give exactly the answers of host logits."""
+    from elasticmem.baselines.amem.llm import TransformersBackend
+
+    cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
+    reqs = [GenRequest(prompts.note_messages(t, "today"), 60, prompts.note_schema(cfg), kind="note")
+            for t in ("cat dog", "a much longer turn about the garden")]
+    reqs.append(GenRequest([{"role": "user", "content": "cat"}], 80, prompts.decision_schema(cfg, ["n3", "n17"])))
+    reqs += [GenRequest(prompts.note_messages(t, "today"), n, None, kind="answer", no_repeat_ngram=ng)
+             for t, n, ng in (("x y", 9, 0), ("zebra", 19, 2))]
+    model, tok = tiny_backbone.model, tiny_backbone.tokenizer
+    backend = TransformersBackend(model, tok, batch_size=8)
+    runs = [(0.0, 0), (0.8, 3), (1.3, 11)]
+    expected = [backend.generate(reqs, temperature=t, seed=s) for t, s in runs]
+
+    def on_accelerator(module, args, kwargs, out):
+        out.logits = out.logits.as_subclass(_AcceleratorTensor)
+        return out
+
+    # the stand-in bites: the old chooser's ops on device logits fail as they would on CUDA
+    dev_logits = model(input_ids=tok("cat", return_tensors="pt").input_ids).logits[0, -1].as_subclass(
+        _AcceleratorTensor)
+    with pytest.raises(RuntimeError, match="indices should be"):
+        torch.tensor([1, 2, 3])[dev_logits[:3].argsort()]
+    hook = model.register_forward_hook(on_accelerator, with_kwargs=True)
+    try:
+        got = [backend.generate(reqs, temperature=t, seed=s) for t, s in runs]
+    finally:
+        hook.remove()
+    assert got == expected
+    assert any(c.completion_tokens > 3 for c in got[1])

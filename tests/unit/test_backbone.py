@@ -336,3 +336,80 @@ def test_smollm2_folder_fingerprint_from_cache_equals_full(cache_home):
     second = _load(SMOLLM2_DIR)
     assert (second.fingerprint, second.fingerprint_source) == (fp, "cache")
     assert len(calls) == 1 and model_fingerprint(second.model, second.tokenizer) == fp
+
+
+def _spy_from_pretrained(monkeypatch) -> list[dict]:
+    """Record the keyword arguments of every AutoModelForCausalLM.from_pretrained call."""
+    from transformers import AutoModelForCausalLM
+
+    calls: list[dict] = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_folder_loads_straight_onto_its_device_with_the_weights_of_a_host_load(tmp_path, monkeypatch, dtype):
+    """A model folder is loaded with a one-device ``device_map`` (each weight copied to the device
+    as it is read, not the whole model into host memory first) and gives exactly the parameters
+    and buffers, values and dtypes, of the host load then ``.to(device, dtype)``."""
+    from transformers import AutoModelForCausalLM
+
+    folder = _save(_tiny(0), tmp_path / "m")
+    as_dtype = getattr(torch, dtype)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=as_dtype).to("cpu", as_dtype)
+    calls = _spy_from_pretrained(monkeypatch)
+    got = _load(folder, dtype=dtype).model
+    assert len(calls) == 1 and calls[0]["device_map"] == {"": torch.device("cpu")}
+    ref = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    new = {**dict(got.named_parameters()), **dict(got.named_buffers())}
+    assert sorted(new) == sorted(ref) and any("inv_freq" in n for n in ref)
+    for name, t in ref.items():
+        assert new[name].dtype == t.dtype and new[name].device == t.device and torch.equal(new[name], t), name
+
+
+def test_under_zero3_the_folder_is_loaded_without_a_device_map(tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3 refuses a device_map (it places the weights itself): none is passed then."""
+    import transformers.integrations
+
+    folder = _save(_tiny(0), tmp_path / "m")
+    monkeypatch.setattr(transformers.integrations, "is_deepspeed_zero3_enabled", lambda: True)
+    calls = _spy_from_pretrained(monkeypatch)
+    _load(folder)
+    assert len(calls) == 1 and "device_map" not in calls[0]
+
+
+def test_processes_that_miss_the_cache_together_hash_the_weights_once(tmp_path, cache_home, monkeypatch):
+    """The processes of a launch ask for the fingerprint of a cold cache at the same moment: one
+    hashes the weights and writes the entry, the others wait for it and read it. (Threads here:
+    each opens the lock file itself, and flock treats separate opens as separate owners, as it
+    does separate processes.)"""
+    home, calls = cache_home
+    bb = _load(_save(_tiny(0), tmp_path / "m"))
+    counting = backbone_mod.model_fingerprint
+
+    def slow(model, tokenizer):  # long enough that every thread misses the cache without the lock
+        time.sleep(0.5)
+        return counting(model, tokenizer)
+
+    monkeypatch.setattr(backbone_mod, "model_fingerprint", slow)
+    writes = []
+    real_write = backbone_mod.write_cached_fingerprint
+    monkeypatch.setattr(backbone_mod, "write_cached_fingerprint", lambda k, v: writes.append(v) or real_write(k, v))
+    results: list[tuple[str, str]] = []
+    threads = [threading.Thread(target=lambda: results.append(backbone_mod.cached_fingerprint(
+        bb.model, bb.tokenizer, bb.weights_key))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = model_fingerprint(bb.model, bb.tokenizer)
+    assert len(calls) == 1 and len(writes) == 1
+    assert sorted(results) == sorted([(expected, "computed")] + [(expected, "cache")] * 3)
+    assert [p.name for p in (home / "fingerprints").glob("*.json")] == [
+        backbone_mod.fingerprint_cache_path(bb.weights_key).name]

@@ -473,3 +473,66 @@ def test_greedy_memo_reuses_retrieval_and_budgets_with_the_same_answers(bank):
     assert mixed.answers == plain.answers and torch.equal(mixed.budgets, plain.budgets)
     with pytest.raises(ValueError, match="memo"):
         model._rollout(batch, 2, 1.0, greedy=False, memo={})
+
+
+# ---------------------------------------------------------------- target log-probs in chunks
+
+
+def _log_softmax_gather(head, h, targets, temperature):
+    """The straightforward reference: the whole [M, V] log-softmax, then the targets' entries."""
+    return torch.log_softmax(head(h).float() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("rows, recompute", [(None, None), (5, None), (5, {"use_reentrant": False}),
+                                             (5, {"use_reentrant": True})])
+def test_token_logps_in_chunks_equal_log_softmax_gather(dtype, temperature, rows, recompute):
+    """``token_logps`` (target logit - logsumexp, chunks of ``rows`` rows, optionally recomputed in
+    backward) gives the reference's log-probs and gradients, for float32 and bf16 heads."""
+    from elasticmem.model.elasticmem import token_logps
+
+    V, d, M = 101, 16, 23  # 23 rows: 5 chunks of 5, the last one short
+    torch.manual_seed(0)
+    head = torch.nn.Linear(d, V, bias=False).to(dtype)
+    h = (3 * torch.randn(M, d)).to(dtype).requires_grad_()
+    targets = torch.randint(V, (M,))
+    weight = torch.randn(M)  # a loss that weighs each row differently
+    ref = _log_softmax_gather(head, h, targets, temperature)
+    (ref * weight).sum().backward()
+    ref_grads = [h.grad.clone(), head.weight.grad.clone()]
+    h.grad = head.weight.grad = None
+    got = token_logps(head, h, targets, temperature, chunk_elements=(rows or M) * V, recompute=recompute)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    (got * weight).sum().backward()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for g, r in zip([h.grad, head.weight.grad], ref_grads):
+        torch.testing.assert_close(g, r, **tol)
+
+
+def test_token_logps_vocab_wide_memory_is_bounded_by_one_chunk():
+    """Forward and backward hold a few chunks of logits, not [M, V] copies: the saved chunks add up
+    to one [M, V] float32 without recomputation, and stay at one chunk with it."""
+    from elasticmem.model.elasticmem import token_logps
+
+    V, d, M, rows = 997, 8, 64, 8
+    torch.manual_seed(0)
+    head = torch.nn.Linear(d, V, bias=False)
+    h = torch.randn(M, d, requires_grad=True)
+    targets = torch.randint(V, (M,))
+    weights = {p.untyped_storage().data_ptr() for p in head.parameters()}
+
+    def peak(fn) -> float:  # in [rows, V] float32 chunk buffers
+        with VocabWideMemory(V, weights) as mem:
+            fn().sum().backward()
+        return mem.peak / (rows * V * 4)
+
+    chunks = M // rows
+    full = peak(lambda: _log_softmax_gather(head, h, targets, 0.7))
+    chunked = peak(lambda: token_logps(head, h, targets, 0.7, chunk_elements=rows * V))
+    recomputed = peak(lambda: token_logps(head, h, targets, 0.7, chunk_elements=rows * V,
+                                          recompute={"use_reentrant": False}))
+    assert full >= 3 * chunks, full  # the scaled logits, the log-softmax and its gradient at once
+    assert chunked <= chunks + 5, chunked  # measured: the 8 saved chunks and 3 transient ones
+    assert recomputed <= 5, recomputed  # measured: 4

@@ -310,6 +310,58 @@ def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
     assert logged("split") == logged("whole") and len(logged("whole")) == 3 + 7
 
 
+def test_activation_checkpointing_changes_memory_not_the_warmup(tmp_path, monkeypatch):
+    """train.gradient_checkpointing=true (decoder layers and logit chunks recomputed in backward)
+    ends the warm-up (reconstruction steps with the adapter off, answer steps, LoRA dropout on) with
+    the weights and logged losses of the run without it; a resumed run may switch it."""
+    from conftest import ROOT
+    from safetensors.torch import load_file
+
+    from elasticmem.backbone import load_backbone
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.model.elasticmem import ElasticMem
+    from elasticmem.warmup.reading import warmup
+
+    enabled = []
+    enable = ElasticMem.enable_activation_checkpointing
+    monkeypatch.setattr(ElasticMem, "enable_activation_checkpointing",
+                        lambda self, *a, **kw: (enabled.append(a), enable(self, *a, **kw))[1])
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
+            "memory.lora.dropout=0.1", "warmup.steps=3", "warmup.reconstruct_steps=2", "warmup.reconstruct_batch_size=4",
+            "warmup.batch_size=4", "warmup.save_every=0", "warmup.eval_split="]
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+               cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+
+    def run(name, *extra):
+        return warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, f"warmup.output_dir={tmp_path / name}",
+                                                                          *extra]))
+
+    on = "train.gradient_checkpointing=true"
+    run("plain")
+    assert not enabled
+    run("ckpt", on)
+    assert len(enabled) == 1  # the warm-up's model was switched to checkpointing
+    assert run("split", "warmup.stop_after_steps=1")["stopped_at"] == 2 + 1
+    run("split", on)  # resumed with checkpointing switched on
+    for name in ("ckpt", "split"):
+        for f in ("projector.safetensors", "adapter/adapter_model.safetensors"):
+            a, b = load_file(str(tmp_path / "plain/final" / f)), load_file(str(tmp_path / name / "final" / f))
+            assert a.keys() == b.keys(), f
+            for k in a:
+                torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=f"{name} {f} {k}")
+
+    def losses(name):
+        return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("plain")) == 2 + 3
+    for name in ("ckpt", "split"):
+        assert losses(name) == pytest.approx(losses("plain"), rel=1e-5, abs=1e-6)
+
+
 def test_memgen_weaver_sft_warmup_starts_its_grpo(tmp_path, capsys):
     """train.system=memgen: the warm-up's answer steps train MemGen's weaver on the targets (the
     target loss falls), its final/ is a MemGen model, and GRPO starts from exactly it (lr 0: the

@@ -551,7 +551,12 @@ class TransformersBackend:
         logits, mask = self._prefill(token_ids, cache, pad)
         live = list(range(len(rows)))  # the rows in the cache, in cache order
         while True:
-            steps = [[] if rows[i].closed else chooser.next_tokens(rows[i], logits[b]) for b, i in enumerate(live)]
+            # One copy of the step's [B, V] logits to the host: the chooser works row by row in
+            # Python with host tables (token ids by first character, a CPU sampling generator), so
+            # device logits would mix devices there (a CPU tensor indexed by a CUDA argsort, CUDA
+            # probabilities sampled with a CPU generator: errors) and sync once per row anyway.
+            host = logits.cpu()
+            steps = [[] if rows[i].closed else chooser.next_tokens(rows[i], host[b]) for b, i in enumerate(live)]
             if all(rows[i].closed for i in live):
                 break
             if self.drop_closed and any(rows[i].closed for i in live):

@@ -264,23 +264,17 @@ def test_token_alignment_moves_soft_tokens_to_their_token_embeddings_and_trains_
         _align(identity, w, rows, torch.Generator(), tmp_path / "i", 1.0)
 
 
-def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
-    """Stopped after 3 answer steps (with a checkpoint) and run again, the warm-up ends with the
-    same weights and the same logged losses as one uninterrupted run (LoRA dropout, uniform
-    budgets and the data order all draw random numbers); other settings are refused."""
+def _tiny_warmups(tmp_path, base):
+    """Data and bank of the tiny mechanism preset with overrides ``base``; returns
+    ``run(name, *extra)``: the warm-up into ``tmp_path / name`` with ``extra`` overrides."""
     from conftest import ROOT
-    from safetensors.torch import load_file
 
     from elasticmem.backbone import load_backbone
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.data.synthetic import write_synthetic
-    from elasticmem.utils.checkpointing import list_checkpoints
     from elasticmem.warmup.reading import warmup
 
-    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
-            "memory.lora.dropout=0.1", "warmup.steps=7", "warmup.align_steps=3", "warmup.align_batch_size=4",
-            "warmup.batch_size=4", "warmup.budgets=uniform", "warmup.save_every=2", "warmup.eval_split="]
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
     build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
@@ -289,6 +283,22 @@ def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
     def run(name, *extra):
         return warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, f"warmup.output_dir={tmp_path / name}",
                                                                           *extra]))
+
+    return run
+
+
+def test_interrupted_warmup_resumes_to_the_uninterrupted_result(tmp_path):
+    """Stopped after 3 answer steps (with a checkpoint) and run again, the warm-up ends with the
+    same weights and the same logged losses as one uninterrupted run (LoRA dropout, uniform
+    budgets and the data order all draw random numbers); other settings are refused."""
+    from safetensors.torch import load_file
+
+    from elasticmem.utils.checkpointing import list_checkpoints
+
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
+            "memory.lora.dropout=0.1", "warmup.steps=7", "warmup.align_steps=3", "warmup.align_batch_size=4",
+            "warmup.batch_size=4", "warmup.budgets=uniform", "warmup.save_every=2", "warmup.eval_split="]
+    run = _tiny_warmups(tmp_path, base)
 
     run("whole")
     assert run("split", "warmup.stop_after_steps=3") ["stopped_at"] == 3 + 3
@@ -314,15 +324,9 @@ def test_activation_checkpointing_changes_memory_not_the_warmup(tmp_path, monkey
     """train.gradient_checkpointing=true (decoder layers and logit chunks recomputed in backward)
     ends the warm-up (reconstruction steps with the adapter off, answer steps, LoRA dropout on) with
     the weights and logged losses of the run without it; a resumed run may switch it."""
-    from conftest import ROOT
     from safetensors.torch import load_file
 
-    from elasticmem.backbone import load_backbone
-    from elasticmem.config import load_config
-    from elasticmem.data.schema import load_split
-    from elasticmem.data.synthetic import write_synthetic
     from elasticmem.model.elasticmem import ElasticMem
-    from elasticmem.warmup.reading import warmup
 
     enabled = []
     enable = ElasticMem.enable_activation_checkpointing
@@ -331,14 +335,7 @@ def test_activation_checkpointing_changes_memory_not_the_warmup(tmp_path, monkey
     base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
             "memory.lora.dropout=0.1", "warmup.steps=3", "warmup.reconstruct_steps=2", "warmup.reconstruct_batch_size=4",
             "warmup.batch_size=4", "warmup.save_every=0", "warmup.eval_split="]
-    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
-    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
-               cfg.chunking, cfg.bank, torch.float32, show_progress=False)
-
-    def run(name, *extra):
-        return warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, f"warmup.output_dir={tmp_path / name}",
-                                                                          *extra]))
+    run = _tiny_warmups(tmp_path, base)
 
     on = "train.gradient_checkpointing=true"
     run("plain")

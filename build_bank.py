@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.data.schema import SchemaError, load_split
     from elasticmem.utils.distributed import process_state
 
-    state = process_state()
+    state = process_state(timeout_s=cfg.bank.dist_timeout_s)
     if state.is_main_process:
         print_config(cfg, file=sys.stderr)
     try:

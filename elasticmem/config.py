@@ -190,6 +190,11 @@ class BankConfig:
     chunk (SmolLM2-135M: 11,520 a position, 20x its hidden states)."""
     kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """Storage dtype of the per-layer keys and values (kv_cache)."""
+    dist_timeout_s: float = 1800.0
+    """Seconds a process of a multi-process build (``accelerate launch build_bank.py``) waits at a
+    barrier for the others before the build is aborted (the process group's timeout; PyTorch's
+    NCCL default is 600): the others wait while one process fills the model's fingerprint cache,
+    writes the chunk list and the manifest, or encodes its last shard."""
 
     def __post_init__(self) -> None:
         if self.part:

@@ -222,7 +222,7 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     else:
         bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
     mem = memory_config(cfg, overrides)
-    key_index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    key_index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if cfg.eval.system == "memgen":
         from elasticmem.baselines.memgen import MemGen, saved_memgen_config
 

@@ -243,13 +243,16 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.max_steps", "train.epochs", "train.stop_after_steps", "train.save_every", "train.keep_last",
     "train.log_every", "train.log_rollouts", "train.eval_split", "train.eval_every", "train.eval_limit",
     "train.eval_batch_size", "train.micro_batch_size", "train.gradient_checkpointing", "train.trackers",
-    "train.record_rollouts", "train.resume", "model.device", "model.cache_dir", "data.dir", "bank.dir",
+    "train.record_rollouts", "train.resume", "model.device", "model.cache_dir", "bank.dir",
     "bank.verify", "bank.overwrite", "bank.batch_size", "bank.index.save", "eval.", "amem.",
 )
 """Config keys (or sections, ending in '.') a resumed run may change: how long to run, how
 often to log, save and evaluate, where files are, and how much fits in memory at once
-(micro-batches and activation checkpointing change memory, not results). Moving data.dir or
-bank.dir is allowed because the bank's encoder and corpus fingerprints are checked on their own."""
+(micro-batches and activation checkpointing change memory, not results). Moving bank.dir is
+allowed because the bank's encoder and corpus fingerprints are checked on their own; data.dir
+is not: nothing fingerprints the training questions, and the resumed sampler's position
+(epoch, offset) only means something in the same split, so another data.dir is refused as
+another run (move the data back, or start a new train.output_dir)."""
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -328,7 +331,7 @@ def train(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model, device=acc.device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if t.system == "memgen":
         from elasticmem.baselines.memgen import MemGen
 

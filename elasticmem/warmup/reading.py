@@ -148,7 +148,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     backbone = load_backbone(cfg.model)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     mem_cfg = cfg.memory if cfg.train.use_memory else dataclasses.replace(cfg.memory, top_z=0)
-    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0)
+    index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if memgen:
         from elasticmem.baselines.memgen import MemGen
 

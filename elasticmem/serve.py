@@ -77,12 +77,42 @@ largest ask batch, asks answered, sessions and chunks added, queue depth, worker
 
     curl -s localhost:8000/metrics
 
-Limits (all 4xx with a message): bodies over ``--max-body-bytes`` (default 1 MiB) 413; more than
-``--max-turns-per-request`` turns (default 256) 413; a turn over ``--max-turn-chars`` characters
-(default: the live memory's own limit) 413; a question over ``--max-question-chars`` (default 4000),
-``max_new_tokens`` over ``--max-new-tokens-limit`` (default 256), a group name outside
-``[A-Za-z0-9._:/-]{1,128}`` or a missing field 422; malformed JSON 400; more than ``--max-queue``
-requests waiting for the model (default 1024) 503.
+``GET /openapi.json`` and ``GET /docs`` describe the API; they need a key like the API does, unless
+``--open-docs``.
+
+Tenants are served in turn: each tenant has its own queue and the worker takes one request of each
+tenant with requests waiting, so a tenant that floods the server waits behind its own requests. A
+client that disconnects while its request waits for the model has it dropped from the queue (never
+computed); one that leaves while it is computed has its answer discarded. /metrics records both
+under status 499 (nothing is sent) and counts them in ``client_gone``, not as errors.
+
+Limits (each a field of ``Limits`` and a flag; a refusal's message names the limit, its value and
+its flag; docs/serving.md explains each). The key and the tenant's requests in flight are checked
+from the headers, before any of the body is read::
+
+    limit                                                  flag                      default     status
+    body size in bytes (Content-Length and while reading)  --max-body-bytes          1 MiB       413
+    time to send the whole body                            --body-timeout-s          30 s        408
+    turns in one add                                       --max-turns-per-request   256         413
+    characters of one turn                                 --max-turn-chars          20000       413
+    characters of a question / last user message           --max-question-chars      4000        422
+    options of one question                                --max-choices             26          422
+    characters of one option                               --max-choice-chars        1000        422
+    messages of one chat completion                        --max-messages            256         422
+    characters of one chat message                         --max-message-chars       20000       422
+    prompt tokens after templating (before queueing)       --max-prompt-tokens       4096        413
+    max_new_tokens / max_tokens                            --max-new-tokens-limit    256         422
+    requests waiting for the model, all tenants            --max-queue               1024        503
+    requests of one tenant waiting for the model           --tenant-max-queued       32          429 + Retry-After
+    requests of one tenant in flight                       --tenant-max-in-flight    64          429 + Retry-After
+    memories (bank rows) of one tenant                     --tenant-max-rows         100000      507
+    bytes on disk of one tenant's memories                 --tenant-max-bytes        16 GiB      507
+    open connections (uvicorn limit_concurrency)           --limit-concurrency       1024        503
+    idle keep-alive seconds (uvicorn timeout_keep_alive)   --timeout-keep-alive-s    5           closed
+
+Also: malformed JSON 400; a missing or unknown field, a group name outside ``[A-Za-z0-9._:/-]{1,128}``
+or text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``) 422; shutting down 503.
+Without ``--api-keys`` all clients are one tenant for the per-tenant limits.
 """
 
 import argparse
@@ -99,6 +129,7 @@ import re
 import sys
 import threading
 import time
+import typing
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,25 +149,60 @@ LATENCY_WINDOW = 10_000
 
 @dataclass
 class Limits:
-    """Request limits; a request over one is refused with a 4xx and a message that says which."""
+    """Request limits; a request over one is refused with a 4xx (or 503 / 507) and a message that says
+    which limit, its value and the flag that sets it. Every field is a ``--flag`` of the same name
+    (``max_new_tokens``: ``--max-new-tokens-limit``); docs/serving.md lists them with their status codes."""
 
+    # -- one request's size
     max_body_bytes: int = 1 << 20
-    """Largest request body (413 above)."""
+    """Largest request body in bytes (413 above), checked on Content-Length and while reading, before parsing."""
+    body_timeout_s: float = 30.0
+    """Seconds a client has to send the whole body once its headers arrived (408 after): a slow upload
+    cannot hold a connection and its buffer for long."""
     max_turns_per_request: int = 256
     """Most turns in one add (413 above)."""
     max_turn_chars: int | None = None
     """Longest turn content in characters (413 above); None = the live memory's own ``max_turn_chars``
     (``main`` loads the live memory with this limit, which ``LiveMemory.add`` enforces too)."""
     max_question_chars: int = 4000
-    """Longest question (422 above)."""
+    """Longest question, also the last user message of a chat completion (422 above)."""
     max_choices: int = 26
-    """Most answer options of one question (422 above)."""
-    max_new_tokens: int = 256
-    """Largest ``max_new_tokens`` / ``max_tokens`` a request may ask for (422 above)."""
+    """Most answer options of one question (422 above; options are lettered a-z)."""
+    max_choice_chars: int = 1000
+    """Longest answer option in characters (422 above)."""
     max_messages: int = 256
     """Most messages in one chat-completion request (422 above)."""
+    max_message_chars: int = 20_000
+    """Longest content of any one chat message in characters, text parts together (422 above)."""
+    max_prompt_tokens: int = 4096
+    """Most prompt tokens of one question after templating (question, options, template; memories
+    excluded), counted with the model's tokenizer before the request is queued (413 above): the
+    bound on how long one request can hold the model worker."""
+    max_new_tokens: int = 256
+    """Largest ``max_new_tokens`` / ``max_tokens`` a request may ask for (422 above)."""
+
+    # -- sharing the server between tenants
     max_queue: int = 1024
-    """Most requests waiting for the model (503 above): a bound on memory and on waiting time."""
+    """Most requests waiting for the model, all tenants together (503 above)."""
+    tenant_max_queued: int = 32
+    """Most requests of one tenant waiting for the model: its share of the queue (429 with Retry-After
+    above). The worker takes the tenants' requests in turn, so this bounds a tenant's memory, not
+    the others' wait."""
+    tenant_max_in_flight: int = 64
+    """Most requests of one tenant being handled at once, from its headers to its response (429 with
+    Retry-After above); counted before the body is read. Without API keys all clients are one tenant."""
+    tenant_max_rows: int | None = 100_000
+    """Most memories (bank rows) in the groups a tenant's keys cover (507 on an add that could pass it:
+    its usage plus one row per turn of the add); None (``--tenant-max-rows none``) = no quota."""
+    tenant_max_bytes: int | None = 16 << 30
+    """Most bytes on disk of those memories: each row's share of its shard file (cached states and keys)
+    plus its chunk text in UTF-8 (507 on an add while the tenant is at or over it); None = no quota."""
+
+    # -- connections (uvicorn)
+    limit_concurrency: int = 1024
+    """Most open connections and tasks; uvicorn answers 503 above, before reading anything."""
+    timeout_keep_alive_s: float = 5.0
+    """Seconds an idle keep-alive connection is held open."""
 
 
 @dataclass
@@ -215,8 +281,16 @@ class QueueFull(RuntimeError):
     """More requests wait for the model than ``Limits.max_queue``."""
 
 
+class TenantQueueFull(RuntimeError):
+    """One tenant has ``Limits.tenant_max_queued`` requests waiting for the model already."""
+
+
 class ServerStopping(RuntimeError):
     """The server shuts down; queued requests are not answered."""
+
+
+class QuotaExceeded(RuntimeError):
+    """An add would take a tenant past its memory quota (``Limits.tenant_max_rows`` / ``tenant_max_bytes``)."""
 
 
 @dataclass
@@ -224,6 +298,7 @@ class _Job:
     kind: str  # "ask" or "add"
     payload: Any  # an AskRequest, or (group, turns)
     future: concurrent.futures.Future
+    tenant: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -234,16 +309,25 @@ class ModelWorker:
     """The one thread that touches the model: batches concurrent asks, applies adds in order.
 
     Why one thread: the model is one torch module and the bank one set of files; running them from
-    many request threads would serialise on LiveMemory's lock anyway, without batching. Jobs are taken
-    in arrival order; a batch is what arrives within ``window_ms`` of its first job (at most
-    ``max_batch``): its adds are applied first, in order, by one ``add_many``, then its asks are
-    answered by one ``ask_many``. So an ask sent after an add was answered sees that add.
+    many request threads would serialise on LiveMemory's lock anyway, without batching. Each tenant
+    has its own queue, and the worker takes one job from each tenant with jobs waiting in turn (round
+    robin), so a tenant that floods the server waits behind its own requests, not the others behind
+    it; one tenant's jobs stay in arrival order. A batch is what arrives within ``window_ms`` of its
+    first job (at most ``max_batch``): its adds are applied first, in order, by one ``add_many``, then
+    its asks are answered by one ``ask_many``. So an ask sent after an add was answered sees that add.
     """
 
-    def __init__(self, live: Any, batching: Batching, max_queue: int = 1024) -> None:
+    def __init__(self, live: Any, batching: Batching, max_queue: int = 1024, tenant_max_queued: int | None = None,
+                 quota: "TenantQuota | None" = None) -> None:
         self.live = live
         self.batching = batching
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.tenant_max_queued = tenant_max_queued or max_queue
+        self.quota = quota
+        self._cv = threading.Condition()
+        self._queues: dict[str | None, collections.deque[_Job]] = {}  # tenant -> its waiting jobs, in order
+        self._turns: collections.deque[str | None] = collections.deque()  # tenants with jobs, next first
+        self._size = 0
         self._thread = threading.Thread(target=self._run, name="elasticmem-model-worker", daemon=True)
         self._lock = threading.Lock()
         self._stopping = False
@@ -258,6 +342,8 @@ class ModelWorker:
         self.chunks_added = 0
         self.chunks_skipped = 0
         self.add_errors = 0
+        self.adds_over_quota = 0
+        self.withdrawn = 0
         self.busy_s = 0.0
         self.queue_wait: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
 
@@ -269,48 +355,98 @@ class ModelWorker:
         return self._thread.is_alive()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Finish the jobs already queued, then end the thread (what a graceful shutdown needs)."""
-        self._stopping = True
+        """Refuse new jobs, finish the ones already queued, then end the thread (a graceful shutdown)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
         if self._thread.is_alive():
-            self._queue.put(_STOP)
             self._thread.join(timeout)
         while True:  # anything left (the thread died, or the join timed out): tell its waiters
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
+            job = self._take(0.0)
+            if job is None or job is _STOP:
                 break
-            if job is not _STOP and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ServerStopping("the server is shutting down"))
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ServerStopping("the server is shutting down; the request was not answered"))
 
-    def queued(self) -> int:
-        return self._queue.qsize()
+    def queued(self, tenant: Any = _STOP) -> int:
+        """Jobs waiting: all of them, or one tenant's."""
+        with self._cv:
+            return self._size if tenant is _STOP else len(self._queues.get(tenant, ()))
+
+    def mean_batch_s(self) -> float:
+        with self._lock:
+            n = self.ask_batches + self.add_batches
+            return self.busy_s / n if n else 0.0
 
     # -- submitting
-    def submit(self, kind: str, payload: Any) -> concurrent.futures.Future:
-        """Queue one job; its future gets the Answer / AddResult, or the exception the model raised."""
-        if self._stopping:
-            raise ServerStopping("the server is shutting down")
-        job = _Job(kind, payload, concurrent.futures.Future())
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"server busy: {self._queue.maxsize} requests are already waiting for the model; "
-                            "retry later") from None
+    def submit(self, kind: str, payload: Any, tenant: str | None = None) -> concurrent.futures.Future:
+        """Queue one job of ``tenant``; its future gets the Answer / AddResult, or the exception raised."""
+        with self._cv:
+            if self._stopping:
+                raise ServerStopping("the server is shutting down; retry on another instance or later")
+            if self._size >= self.max_queue:
+                raise QueueFull(f"server busy: {self.max_queue} requests are already waiting for the model "
+                                "(--max-queue); retry later")
+            mine = self._queues.get(tenant)
+            if mine is not None and len(mine) >= self.tenant_max_queued:
+                raise TenantQueueFull(f"too many requests of this tenant waiting for the model: the limit is "
+                                      f"{self.tenant_max_queued} (--tenant-max-queued); retry later")
+            job = _Job(kind, payload, concurrent.futures.Future(), tenant)
+            if mine is None:
+                mine = self._queues[tenant] = collections.deque()
+                self._turns.append(tenant)
+            mine.append(job)
+            self._size += 1
+            self._cv.notify()
         return job.future
 
+    def withdraw(self, future: concurrent.futures.Future, tenant: str | None = None) -> bool:
+        """Take a job whose client went away out of the queue; False when it already runs (or ran)."""
+        with self._cv:
+            mine = self._queues.get(tenant, ())
+            job = next((j for j in mine if j.future is future), None)
+            if job is None:
+                return False
+            mine.remove(job)
+            self._size -= 1
+            if not mine:
+                del self._queues[tenant]
+                self._turns.remove(tenant)
+        future.cancel()
+        with self._lock:
+            self.withdrawn += 1
+        return True
+
     # -- the thread
+    def _take(self, timeout: float | None) -> Any:
+        """The next job in round-robin order over tenants; None when none came within ``timeout``
+        seconds (None = wait for one); ``_STOP`` once stopping with nothing left to do."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._size or self._stopping, timeout):
+                return None
+            if not self._size:
+                return _STOP
+            tenant = self._turns.popleft()
+            mine = self._queues[tenant]
+            job = mine.popleft()
+            self._size -= 1
+            if mine:
+                self._turns.append(tenant)
+            else:
+                del self._queues[tenant]
+            return job
+
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
+            first = self._take(None)
             if first is _STOP:
                 return
             batch, stop = [first], False
             deadline = time.perf_counter() + self.batching.window_ms / 1000.0
             while len(batch) < self.batching.max_batch:
-                try:  # what is already queued is taken at once; then wait out the window
-                    remaining = deadline - time.perf_counter()
-                    job = self._queue.get_nowait() if remaining <= 0 else self._queue.get(timeout=remaining)
-                except queue.Empty:
+                # what is already queued is taken at once; then wait out the window
+                job = self._take(max(0.0, deadline - time.perf_counter()))
+                if job is None:
                     break
                 if job is _STOP:
                     stop = True
@@ -388,9 +524,20 @@ class ModelWorker:
                 job.future.set_exception(err)
 
     def _adds(self, run: list[_Job]) -> None:
-        # Adds are applied even when their client went away: it was accepted into the queue, and a
-        # retry of it is skipped as a duplicate, so applying it can never double it.
+        # A client that left while its add waited had it withdrawn from the queue. One that left in
+        # the instant between its job being taken and run still gets it applied: a retry of it is
+        # skipped as a duplicate, so applying it can never double it.
         jobs = [(job, job.future.set_running_or_notify_cancel()) for job in run]
+        if self.quota is not None:  # checked here, in order, so that the adds of one batch count each other
+            refusals = self.quota.refusals([(job.tenant, len(job.payload[1])) for job, _ in jobs])
+            for (job, running), refusal in zip(jobs, refusals):
+                if refusal is not None and running:
+                    job.future.set_exception(QuotaExceeded(refusal))
+            with self._lock:
+                self.adds_over_quota += sum(r is not None for r in refusals)
+            jobs = [jr for jr, refusal in zip(jobs, refusals) if refusal is None]
+            if not jobs:
+                return
         outcome = self._each(self.live.add_many, [job.payload for job, _ in jobs])
         with self._lock:
             self.add_batches += 1
@@ -426,7 +573,9 @@ class ModelWorker:
                 "chunks_added": self.chunks_added,
                 "chunks_skipped": self.chunks_skipped,
                 "add_errors": self.add_errors,
-                "queue_depth": self._queue.qsize(),
+                "adds_over_quota": self.adds_over_quota,
+                "withdrawn": self.withdrawn,
+                "queue_depth": self.queued(),
                 "queue_wait_s": _percentiles(self.queue_wait),
                 "worker_busy_s": round(self.busy_s, 3),
                 "uptime_s": round(time.time() - self.started, 3),
@@ -444,7 +593,100 @@ def _percentiles(values: Sequence[float] | collections.deque) -> dict[str, float
     return {"n": len(v), "p50": round(rank(0.50), 6), "p95": round(rank(0.95), 6)}
 
 
+# --------------------------------------------------------------------------- memory quotas
+
+
+class TenantQuota:
+    """A tenant's memory usage, from the bank, against ``Limits.tenant_max_rows`` / ``tenant_max_bytes``.
+
+    A tenant's memories are the rows of every group its keys cover (the union of their patterns;
+    a group two tenants may write counts for both). A row's bytes are its share of the shard file
+    that holds it (cached states and keys: the file's bytes over its rows) plus its chunk text in
+    UTF-8. Called from the model worker only (the one writer), so no lock: the bank cannot change
+    under it except by another process's append, which the next check sees.
+    """
+
+    def __init__(self, live: Any, patterns: dict[str | None, tuple[str, ...]], max_rows: int | None,
+                 max_bytes: int | None) -> None:
+        self.live = live
+        self.patterns = patterns
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self._covers: dict[tuple[str | None, str], bool] = {}
+        self._text_bytes: dict[str, tuple[Any, int]] = {}  # group -> (its segments, their text bytes)
+        self._bank: Any = None
+        self._starts: list[int] = []
+
+    def _covered(self, tenant: str | None, group: str) -> bool:
+        k = (tenant, group)
+        if k not in self._covers:
+            self._covers[k] = any(fnmatch.fnmatchcase(group, p) for p in self.patterns.get(tenant, ()))
+        return self._covers[k]
+
+    def _shard_bytes(self, bank: Any, start: int, end: int) -> float:
+        """Bytes of rows [start, end) as their shares of the shard files that hold them."""
+        import bisect
+
+        total, i = 0.0, bisect.bisect_right(self._starts, start) - 1
+        while start < end and i < len(bank.shards):
+            sh = bank.shards[i]
+            stop = min(end, sh.start + sh.rows)
+            if sh.rows:
+                total += (stop - start) * sh.bytes / sh.rows
+            start, i = stop, i + 1
+        return total
+
+    def usage(self, tenant: str | None) -> tuple[int, int]:
+        """(rows, bytes) of the tenant's memories in the bank as it is now."""
+        bank = self.live.bank
+        if bank is not self._bank:
+            self._bank, self._starts = bank, [sh.start for sh in bank.shards]
+        rows, nbytes = 0, 0.0
+        for group in list(bank.groups):
+            if not self._covered(tenant, group):
+                continue
+            segments = bank.group_segments(group)
+            cached = self._text_bytes.get(group)
+            if cached is None or cached[0] != segments:  # rows added (or renumbered): count its text again
+                chunks = bank.chunks()
+                text = sum(len(chunks[r]["text"].encode("utf-8", "replace")) for a, b in segments for r in range(a, b))
+                cached = self._text_bytes[group] = (segments, text)
+            rows += sum(b - a for a, b in segments)
+            nbytes += cached[1] + sum(self._shard_bytes(bank, a, b) for a, b in segments)
+        return rows, int(nbytes)
+
+    def refusals(self, adds: Sequence[tuple[str | None, int]]) -> list[str | None]:
+        """For adds ``(tenant, turns)`` applied in this order: None for each one the quota admits, else
+        the message that refuses it. An add may make one chunk per turn, so rows are checked against
+        usage + turns (and the turns of the earlier admitted adds of the same tenant); bytes are known
+        only once encoded, so an add is refused while the tenant is at or over its byte quota."""
+        if self.max_rows is None and self.max_bytes is None:
+            return [None] * len(adds)
+        usage: dict[str | None, list[int]] = {}
+        out: list[str | None] = []
+        for tenant, turns in adds:
+            if tenant not in usage:
+                usage[tenant] = list(self.usage(tenant))
+            rows, nbytes = usage[tenant]
+            who = "this tenant" if tenant is None else f"tenant {tenant!r}"
+            if self.max_rows is not None and rows + turns > self.max_rows:
+                out.append(f"memory quota: {who} holds {rows} memories and this add may make {turns} more; the quota "
+                           f"is {self.max_rows} memories (--tenant-max-rows)")
+            elif self.max_bytes is not None and nbytes >= self.max_bytes:
+                out.append(f"memory quota: {who} holds {nbytes} bytes of memory; the quota is {self.max_bytes} bytes "
+                           "(--tenant-max-bytes)")
+            else:
+                usage[tenant][0] += turns
+                out.append(None)
+        return out
+
+
 # --------------------------------------------------------------------------- metrics and limits (ASGI)
+
+
+CLIENT_GONE = 499
+"""The status /metrics records for a request whose client went away before its answer (nginx's
+"client closed request"); nothing is sent, there is no one to send it to."""
 
 
 class Metrics:
@@ -454,6 +696,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.latency: dict[str, collections.deque[float]] = {}
+        self.client_gone: collections.Counter[str] = collections.Counter()
 
     def record(self, endpoint: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -461,33 +704,88 @@ class Metrics:
             if 200 <= status < 300:  # a refused request's speed says nothing about serving
                 self.latency.setdefault(endpoint, collections.deque(maxlen=LATENCY_WINDOW)).append(seconds)
 
+    def gone(self, stage: str) -> None:
+        """A client went away: ``reading`` its body, while its job was ``queued`` (dropped, never run)
+        or ``running`` (computed, answer discarded)."""
+        with self._lock:
+            self.client_gone[stage] += 1
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             by_endpoint: dict[str, dict[str, int]] = {}
             for (endpoint, status), n in sorted(self.requests.items()):
                 by_endpoint.setdefault(endpoint, {})[str(status)] = n
             return {"requests": by_endpoint,
-                    "latency_s": {e: _percentiles(d) for e, d in sorted(self.latency.items())}}
+                    "latency_s": {e: _percentiles(d) for e, d in sorted(self.latency.items())},
+                    "client_gone": {k: self.client_gone[k] for k in ("reading", "queued", "running")}}
 
 
-def _json_error(status: int, message: str, kind: str) -> tuple[dict, bytes]:
+class AuthError(ValueError):
+    """No, a malformed or an unknown API key (401)."""
+
+
+def authenticate(keys: dict[str, ApiKey], authorization: str | None) -> ApiKey:
+    """The key an ``Authorization`` header value names, or AuthError saying what is wrong with it."""
+    if not authorization:
+        raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthError("malformed Authorization header: send 'Authorization: Bearer <key>'")
+    key = keys.get(token.strip())
+    if key is None:
+        raise AuthError("unknown API key")
+    return key
+
+
+def _json_error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> tuple[dict, bytes]:
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *extra]}
     return start, body
 
 
-class _LimitAndMeasure:
-    """Outermost ASGI layer: counts and times every request by route, and refuses big bodies.
+class InFlight:
+    """Requests of each tenant being handled now, against ``Limits.tenant_max_in_flight``."""
 
-    The body limit is checked on the declared Content-Length and again while reading (a chunked
-    request declares none), before anything parses it; the read body is then replayed to the app.
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.counts: collections.Counter[str | None] = collections.Counter()
+
+    def acquire(self, tenant: str | None) -> bool:
+        with self._lock:
+            if self.counts[tenant] >= self.limit:
+                return False
+            self.counts[tenant] += 1
+            return True
+
+    def release(self, tenant: str | None) -> None:
+        with self._lock:
+            self.counts[tenant] -= 1
+            if not self.counts[tenant]:
+                del self.counts[tenant]
+
+
+class _Gate:
+    """Outermost ASGI layer, in this order: counts and times every request by route; checks the API
+    key from the headers (401) and the tenant's requests in flight (429), both before a byte of the
+    body is read; reads the body within ``body_timeout_s`` (408) and ``max_body_bytes`` (413, on the
+    declared Content-Length and again while reading, since a chunked request declares none), then
+    replays it to the app. A client that leaves while its body is read is counted, not answered.
     """
 
-    def __init__(self, app: Callable, metrics: Metrics, max_body_bytes: int, routes: Callable[[], list]) -> None:
+    def __init__(self, app: Callable, metrics: Metrics, limits: Limits, keys: dict[str, ApiKey] | None,
+                 public: frozenset[str], in_flight: InFlight, retry_after: Callable[[str | None], int],
+                 routes: Callable[[], list]) -> None:
         self.app = app
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.keys = keys
+        self.public = public
+        self.in_flight = in_flight
+        self.retry_after = retry_after
         self.routes = routes
 
     def _endpoint(self, scope: dict) -> str:
@@ -511,8 +809,27 @@ class _LimitAndMeasure:
                 status[0] = message["status"]
             await send(message)
 
+        holds: list[str | None] = []
         try:
-            body = await self._read_body(scope, receive, send_measured)
+            if scope["path"] not in self.public:
+                key = None
+                if self.keys is not None:
+                    header = dict(scope.get("headers") or []).get(b"authorization")
+                    try:
+                        key = authenticate(self.keys, header.decode("latin-1") if header is not None else None)
+                    except AuthError as e:
+                        await self._refuse(send_measured, 401, str(e), "authentication_error",
+                                           {"WWW-Authenticate": "Bearer"})
+                        return
+                    scope[SCOPE_KEY] = key
+                tenant = key.tenant if key else None
+                if not self.in_flight.acquire(tenant):
+                    await self._refuse(send_measured, 429, f"too many requests of this tenant in flight: the limit is "
+                                       f"{self.in_flight.limit} (--tenant-max-in-flight); retry later",
+                                       "rate_limit_error", {"Retry-After": str(self.retry_after(tenant))})
+                    return
+                holds.append(tenant)
+            body = await self._read_body(scope, receive, send_measured, status)
             if body is None:
                 return
             replayed = False
@@ -526,10 +843,12 @@ class _LimitAndMeasure:
 
             await self.app(scope, replay, send_measured)
         finally:
+            for tenant in holds:
+                self.in_flight.release(tenant)
             self.metrics.record(endpoint, status[0], time.perf_counter() - t0)
 
-    async def _read_body(self, scope: dict, receive: Callable, send: Callable) -> bytes | None:
-        limit = self.max_body_bytes
+    async def _read_body(self, scope: dict, receive: Callable, send: Callable, status: list[int]) -> bytes | None:
+        limit = self.limits.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -539,26 +858,47 @@ class _LimitAndMeasure:
                 await self._refuse(send, 413, f"request body of {int(declared)} bytes is over the limit of {limit} "
                                    "bytes (--max-body-bytes)", "request_too_large")
                 return None
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._refuse(send, 413, f"request body is over the limit of {limit} bytes (--max-body-bytes)",
-                                   "request_too_large")
-                return None
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+
+        async def read() -> tuple[str, bytes]:  # ("ok", body), ("gone", b"") or ("too large", b"")
+            parts, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return "gone", b""
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return "too large", b""
+                parts.append(chunk)
+                if not message.get("more_body", False):
+                    return "ok", b"".join(parts)
+
+        try:
+            outcome, body = await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            await self._refuse(send, 408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                               "(--body-timeout-s)", "timeout_error", {"Connection": "close"})
+            return None
+        if outcome == "gone":
+            status[0] = CLIENT_GONE
+            self.metrics.gone("reading")
+            return None
+        if outcome == "too large":
+            await self._refuse(send, 413, f"request body is over the limit of {limit} bytes (--max-body-bytes)",
+                               "request_too_large")
+            return None
+        return body
 
     @staticmethod
-    async def _refuse(send: Callable, status: int, message: str, kind: str) -> None:
-        start, body = _json_error(status, message, kind)
+    async def _refuse(send: Callable, status: int, message: str, kind: str, headers: dict[str, str] | None = None
+                      ) -> None:
+        start, body = _json_error(status, message, kind, headers)
         await send(start)
         await send({"type": "http.response.body", "body": body})
+
+
+SCOPE_KEY = "elasticmem.api_key"
+"""Where ``_Gate`` leaves the caller's ApiKey in the ASGI scope for the endpoints."""
 
 
 # --------------------------------------------------------------------------- the app
@@ -568,20 +908,34 @@ def _to_json(obj: Any) -> dict[str, Any]:
     return obj.to_json() if hasattr(obj, "to_json") else dataclasses.asdict(obj)
 
 
+def _valid_text(text: str) -> str:
+    """``text``, unless it cannot be UTF-8 (a lone surrogate such as JSON's "\\ud800"): then a ValueError
+    (a 422), instead of a failure deep in the tokenizer or the response encoder (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
 def _request_models(limits: Limits) -> dict[str, type]:
     """The pydantic request bodies, with this server's limits in their field constraints (clear 422s)."""
-    from pydantic import BaseModel, ConfigDict, Field
+    from typing import Annotated
+
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+    Text = Annotated[str, AfterValidator(_valid_text)]
 
     def token_limit() -> Any:  # one Field per field (and a name no class body assigns)
         return Field(default=None, ge=1, le=limits.max_new_tokens)
 
     class TurnIn(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        role: str = Field(min_length=1, max_length=32, description="user, assistant, memory, or another label")
+        role: Text = Field(min_length=1, max_length=32, description="user, assistant, memory, or another label")
         # the length limit is checked by the endpoint, to answer 413 with the turn's index
-        content: str = Field(min_length=1)
-        date: str | None = Field(default=None, max_length=64)
-        speaker: str | None = Field(default=None, max_length=128)
+        content: Text = Field(min_length=1)
+        date: Text | None = Field(default=None, max_length=64)
+        speaker: Text | None = Field(default=None, max_length=128)
 
     class AddBody(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -590,14 +944,30 @@ def _request_models(limits: Limits) -> dict[str, type]:
     class AskBody(BaseModel):
         model_config = ConfigDict(extra="forbid")
         group: str
-        question: str = Field(min_length=1, max_length=limits.max_question_chars)
-        choices: list[str] | None = Field(default=None, min_length=2, max_length=limits.max_choices)
+        question: Text = Field(min_length=1, max_length=limits.max_question_chars)
+        choices: list[Annotated[str, Field(min_length=1, max_length=limits.max_choice_chars),
+                                AfterValidator(_valid_text)]] | None = Field(
+            default=None, min_length=2, max_length=limits.max_choices)
         max_new_tokens: int | None = token_limit()
 
     class ChatMessage(BaseModel):
         model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: accepted, not read
         role: str
         content: str | list[dict[str, Any]] | None = None
+
+        @field_validator("content")
+        @classmethod
+        def _bounded_text(cls, content: Any) -> Any:
+            # every message, read or not: the text parts of a list count together
+            texts = [content] if isinstance(content, str) else [
+                p["text"] for p in content or () if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            for t in texts:
+                _valid_text(t)
+            n = sum(len(t) for t in texts)
+            if n > limits.max_message_chars:
+                raise ValueError(f"the message has {n} characters; the limit is {limits.max_message_chars} "
+                                 "(--max-message-chars)")
+            return content
 
     class ChatBody(BaseModel):
         model_config = ConfigDict(extra="allow")  # temperature, top_p, ...: accepted; decoding is greedy
@@ -625,18 +995,46 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(texts)
 
 
+class PromptCounter:
+    """Prompt tokens of a question after templating, as the model will read it (``encode_prompt``:
+    prompt(q) and suffix(u) with the options), with the server's own copy of the tokenizer: a fast
+    tokenizer is one Rust object that the worker's chunking reconfigures (truncation), and using it
+    from two threads at once can fail ("Already borrowed")."""
+
+    def __init__(self, tokenizer: Any, cfg: Any) -> None:
+        import copy
+
+        from elasticmem.model.elasticmem import encode_prompt  # imported now, not by the first request
+
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.cfg = cfg
+        self._encode = encode_prompt
+        self._lock = threading.Lock()
+
+    def __call__(self, question: str, choices: Sequence[str] | None) -> int:
+        from elasticmem.data.schema import Example
+
+        ex = Example(id="count", source="live", question=question, choices=list(choices or []),
+                     answer_index=0 if choices else -1, question_type="live", history=[], group="count",
+                     answer_text=None if choices else "")
+        with self._lock:
+            prompt, suffix = self._encode(self.tokenizer, self.cfg, ex)
+        return len(prompt) + len(suffix)
+
+
 def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits | None = None,
-               batching: Batching | None = None, model_name: str | None = None) -> Any:
+               batching: Batching | None = None, model_name: str | None = None, open_docs: bool = False) -> Any:
     """The FastAPI app serving ``live`` (a ``LiveMemory``); see the module docstring for the endpoints.
 
-    ``keys`` None serves everyone (no tenants). The model worker starts with the app (lifespan) and
-    finishes the queued jobs when it stops.
+    ``keys`` None serves everyone (no tenants: all clients are one tenant for the per-tenant limits).
+    ``open_docs`` serves /openapi.json and /docs without a key. The model worker starts with the app
+    (lifespan) and finishes the queued jobs when it stops.
     """
     from contextlib import asynccontextmanager
 
-    from fastapi import Depends, FastAPI, Header, Request
+    from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
     limits = limits or Limits()
@@ -648,8 +1046,24 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
     turn_limit = min(x for x in (limits.max_turn_chars, live_limit, sys.maxsize) if x)
     models = _request_models(limits)
     AddBody, AskBody, ChatBody = models["AddBody"], models["AskBody"], models["ChatBody"]
-    worker = ModelWorker(live, batching, limits.max_queue)
+    tokenizer = getattr(getattr(live, "model", None), "tokenizer", None)
+    count_prompt = PromptCounter(tokenizer, live.model.cfg) if tokenizer is not None else None
+    if count_prompt is None:
+        log.warning("the live memory has no tokenizer: prompt tokens (--max-prompt-tokens) are not checked")
+    patterns: dict[str | None, tuple[str, ...]] = {None: ("*",)}  # no keys: one tenant, every group
+    if keys is not None:
+        patterns = {}
+        for k in keys.values():
+            patterns[k.tenant] = tuple(dict.fromkeys(patterns.get(k.tenant, ()) + k.groups))
+    quota = TenantQuota(live, patterns, limits.tenant_max_rows, limits.tenant_max_bytes)
+    worker = ModelWorker(live, batching, limits.max_queue, limits.tenant_max_queued, quota)
     metrics = Metrics()
+    in_flight = InFlight(limits.tenant_max_in_flight)
+
+    def retry_after(tenant: str | None) -> int:
+        """Seconds until the tenant's queued work has likely gone through the worker (1 to 60)."""
+        batches = worker.queued(tenant) / batching.max_batch + 1
+        return int(min(60, max(1, math.ceil(batches * worker.mean_batch_s()))))
     if keys is None:
         log.warning("no --api-keys: the server is open, every client may read and write every memory group")
 
@@ -666,25 +1080,38 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
                         worker.chunks_added)
 
     app = FastAPI(title="elasticmem", summary="latent memory for LLM agents, served", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)  # no docs pages: nothing served that needs no key
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.limits = limits
-    app.add_middleware(_LimitAndMeasure, metrics=metrics, max_body_bytes=limits.max_body_bytes,
-                       routes=lambda: app.router.routes)
+    app.state.in_flight = in_flight
+    # /health and /metrics hold no tenant data; the API's description is the API's: behind the key too
+    public = {"/health", "/metrics"} | ({"/openapi.json", "/docs", "/docs/oauth2-redirect"} if open_docs else set())
+    app.add_middleware(_Gate, metrics=metrics, limits=limits, keys=keys, public=frozenset(public),
+                       in_flight=in_flight, retry_after=retry_after, routes=lambda: app.router.routes)
 
     # -- errors: one shape for all, {"error": {"message", "type", "code"}} (OpenAI clients read it)
-    def error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    def error(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
+              **extra: Any) -> JSONResponse:
+        headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if status == 401 else {})}
         return JSONResponse({"error": {"message": message, "type": kind, "code": status, **extra}}, status,
                             headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                 422: "invalid_request_error", 503: "overloaded_error"}
-        return error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "server_error"))
+                 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+                 503: "overloaded_error", 507: "quota_exceeded"}
+        return error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "server_error"),
+                     headers=dict(exc.headers or {}))
+
+    class ClientGone(Exception):
+        """The client went away while its request waited for the model."""
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_GONE)  # for /metrics; the server has no one to send it to
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -702,17 +1129,13 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
         return error(422, "invalid request: " + "; ".join(parts), "invalid_request_error", details=details)
 
     # -- auth and group checks
-    def caller(authorization: str | None = Header(default=None)) -> ApiKey | None:
+    def caller(request: Request) -> ApiKey | None:
+        """The key ``_Gate`` checked from the headers before the body was read (None: an open server)."""
         if keys is None:
             return None
-        if not authorization:
+        key = request.scope.get(SCOPE_KEY)
+        if key is None:  # not reachable through _Gate; refused rather than served without a tenant
             raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'")
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise HTTPException(401, "malformed Authorization header: send 'Authorization: Bearer <key>'")
-        key = keys.get(token.strip())
-        if key is None:
-            raise HTTPException(401, "unknown API key")
         return key
 
     def authorize(group: str | None, key: ApiKey | None, field_name: str = "group") -> str:
@@ -725,24 +1148,53 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
                                 f"{group!r}")
         return group
 
-    async def run_model(kind: str, payload: Any) -> Any:
+    async def client_left(request: Request) -> None:
+        """Returns when the client disconnects (the server's receive says so once the body is read)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def run_model(request: Request, key: ApiKey | None, kind: str, payload: Any) -> Any:
+        tenant = key.tenant if key else None
         try:
-            return await asyncio.wrap_future(worker.submit(kind, payload))
-        except QueueFull as e:
+            future = worker.submit(kind, payload, tenant)
+        except (QueueFull, ServerStopping) as e:
             raise HTTPException(503, str(e)) from None
-        except ServerStopping as e:
+        except TenantQueueFull as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": str(retry_after(tenant))}) from None
+        result = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(client_left(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not result.done():  # the client left first: drop its job, or discard the answer being computed
+            metrics.gone("queued" if worker.withdraw(future, tenant) else "running")
+            result.cancel()
+            raise ClientGone()
+        try:
+            return result.result()
+        except (QueueFull, ServerStopping) as e:
             raise HTTPException(503, str(e)) from None
+        except QuotaExceeded as e:
+            raise HTTPException(507, str(e)) from None
         except ValueError as e:  # LiveMemory refuses bad input with ValueError (e.g. a turn it cannot chunk)
             raise HTTPException(422, str(e)) from None
         except Exception as e:
             log.exception("%s failed", kind)
             raise HTTPException(500, f"internal error while answering ({type(e).__name__}: {e})") from None
 
-    async def ask(group: str, question: str, choices: list[str] | None, max_new_tokens: int | None) -> Any:
+    async def ask(request: Request, key: ApiKey | None, group: str, question: str, choices: list[str] | None,
+                  max_new_tokens: int | None) -> Any:
         from elasticmem.live import AskRequest
 
-        answer = await run_model("ask", AskRequest(group=group, question=question, choices=choices,
-                                                   max_new_tokens=max_new_tokens))
+        if count_prompt is not None:  # before queueing: one long prompt must not hold the worker
+            n = await asyncio.to_thread(count_prompt, question, choices)
+            if n > limits.max_prompt_tokens:
+                raise HTTPException(413, f"the prompt is {n} tokens after templating (question"
+                                    f"{' and options' if choices else ''}); the limit is {limits.max_prompt_tokens} "
+                                    "tokens (--max-prompt-tokens)")
+        answer = await run_model(request, key, "ask", AskRequest(group=group, question=question, choices=choices,
+                                                                 max_new_tokens=max_new_tokens))
         foreign = [m for m in answer.memories if m.group != group]
         if foreign:  # defence in depth: the model searches one group; never return another's memory
             log.error("ask for group %r retrieved %d memories of other groups; answer withheld", group, len(foreign))
@@ -751,7 +1203,7 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
 
     # -- endpoints
     @app.post("/v1/memory/{group:path}")
-    async def add_memory(group: str, body: AddBody, key: ApiKey | None = Depends(caller)) -> dict:
+    async def add_memory(request: Request, group: str, body: AddBody, key: ApiKey | None = Depends(caller)) -> dict:
         group = authorize(group, key, "the path")
         if len(body.turns) > limits.max_turns_per_request:
             raise HTTPException(413, f"{len(body.turns)} turns in one request; the limit is "
@@ -761,7 +1213,7 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
                 raise HTTPException(413, f"turns[{i}].content has {len(t.content)} characters; the limit is "
                                     f"{turn_limit} (--max-turn-chars)")
         turns = [t.model_dump(exclude_none=True) for t in body.turns]
-        return _to_json(await run_model("add", (group, turns)))
+        return _to_json(await run_model(request, key, "add", (group, turns)))
 
     @app.get("/v1/memory/{group:path}")
     async def list_memory(group: str, key: ApiKey | None = Depends(caller)) -> dict:
@@ -770,12 +1222,12 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
         return {"group": group, "chunks": await asyncio.to_thread(live.chunks, group)}
 
     @app.post("/v1/ask")
-    async def ask_endpoint(body: AskBody, key: ApiKey | None = Depends(caller)) -> dict:
+    async def ask_endpoint(request: Request, body: AskBody, key: ApiKey | None = Depends(caller)) -> dict:
         group = authorize(body.group, key)
-        return _to_json(await ask(group, body.question, body.choices, body.max_new_tokens))
+        return _to_json(await ask(request, key, group, body.question, body.choices, body.max_new_tokens))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, key: ApiKey | None = Depends(caller)) -> dict:
+    async def chat_completions(request: Request, body: ChatBody, key: ApiKey | None = Depends(caller)) -> dict:
         if body.stream:
             raise HTTPException(400, "stream=true is not supported; send stream=false")
         if body.n not in (None, 1):
@@ -796,7 +1248,7 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
             raise HTTPException(422, f"the question has {len(question)} characters; the limit is "
                                 f"{limits.max_question_chars} (--max-question-chars)")
         limit = body.max_completion_tokens or body.max_tokens
-        answer = await ask(group, question, None, limit)
+        answer = await ask(request, key, group, question, None, limit)
         limit = limit or default_new_tokens
         prompt_tokens = answer.total_tokens - answer.generated_tokens  # task text + memory tokens
         return {
@@ -836,6 +1288,26 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
 # --------------------------------------------------------------------------- command line
 
 
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+_optional_int.__name__ = "int"  # its metavar: INT (or the word none)
+
+
+def _limit_flags() -> list[tuple[str, str, Callable[[str], Any], Any, str]]:
+    """(field, --flag, type, default, doc) of every ``Limits`` field: the flags are the dataclass."""
+    from elasticmem.utils.configuration import field_docs
+
+    docs, hints = field_docs(Limits), typing.get_type_hints(Limits)
+    out = []
+    for f in dataclasses.fields(Limits):
+        flag = "--max-new-tokens-limit" if f.name == "max_new_tokens" else "--" + f.name.replace("_", "-")
+        tp = {int: int, float: float}.get(hints[f.name], _optional_int)
+        out.append((f.name, flag, tp, f.default, docs.get(f.name, "")))
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m elasticmem.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -851,15 +1323,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-window-ms", type=float, default=Batching.window_ms,
                    help="how long the first request of a batch waits for others")
     p.add_argument("--no-batching", action="store_true", help="one request per forward (max batch 1, no window)")
-    lim = Limits()
-    p.add_argument("--max-body-bytes", type=int, default=lim.max_body_bytes)
-    p.add_argument("--max-turns-per-request", type=int, default=lim.max_turns_per_request)
-    p.add_argument("--max-turn-chars", type=int, default=None,
-                   help="longest turn content in characters (default: elasticmem.live.MAX_TURN_CHARS, 20000)")
-    p.add_argument("--max-question-chars", type=int, default=lim.max_question_chars)
-    p.add_argument("--max-new-tokens-limit", type=int, default=lim.max_new_tokens,
-                   help="the largest max_new_tokens / max_tokens a request may ask for")
-    p.add_argument("--max-queue", type=int, default=lim.max_queue, help="requests waiting for the model (503 above)")
+    p.add_argument("--open-docs", action="store_true",
+                   help="serve /openapi.json and /docs without an API key (default: they need one, as the API does)")
+    limits = p.add_argument_group("limits", "each help says the status a request over it gets; docs/serving.md")
+    for name, flag, tp, default, doc in _limit_flags():
+        limits.add_argument(flag, dest=name, type=tp, default=default, metavar=tp.__name__.upper(),
+                            help=f"{' '.join(doc.split())} (default: {default})")
     p.add_argument("--model-name", help="the model id reported by /v1/models and chat completions")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -877,13 +1346,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     args = _parser().parse_intermixed_args(argv)
-    for flag in ("max_batch", "max_body_bytes", "max_turns_per_request", "max_question_chars",
-                 "max_new_tokens_limit", "max_queue"):
-        if getattr(args, flag) < 1:
-            print(f"--{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+    for name, flag, _, _, _ in _limit_flags():
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            print(f"{flag} must be > 0", file=sys.stderr)
             return 2
-    if args.batch_window_ms < 0 or (args.max_turn_chars is not None and args.max_turn_chars < 1):
-        print("--batch-window-ms must be >= 0 and --max-turn-chars >= 1", file=sys.stderr)
+    if args.max_batch < 1 or args.batch_window_ms < 0:
+        print("--max-batch must be >= 1 and --batch-window-ms >= 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = None
@@ -910,15 +1378,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, BankError) as e:  # a bad config key or preset (ConfigError), checkpoint or bank
         print(f"elasticmem.serve: cannot load the memory: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_turns_per_request=args.max_turns_per_request,
-                    max_turn_chars=args.max_turn_chars, max_question_chars=args.max_question_chars,
-                    max_new_tokens=args.max_new_tokens_limit, max_queue=args.max_queue)
-    app = create_app(live, keys, limits, batching, args.model_name)
+    limits = Limits(**{name: getattr(args, name) for name, *_ in _limit_flags()})
+    app = create_app(live, keys, limits, batching, args.model_name, open_docs=args.open_docs)
     log.info("serving %s memory from %s on http://%s:%d (%s tenants)", live.system, args.bank, args.host, args.port,
              len({k.tenant for k in keys.values()}) if keys else "no")
     # one process: the model and the bank live in it (uvicorn workers would each load their own)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
-                workers=1)
+                workers=1, limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.timeout_keep_alive_s)
     return 0
 
 

@@ -7,6 +7,10 @@ list, ask and chat completions; tenants refused each other's groups (403) and re
 key (401); malformed and oversized input (4xx with a message); batched answers equal one-at-a-time
 answers; 16 clients of two tenants adding and asking for 30 s lose no write and never see another
 group's memory. Every test uses its own memory groups, so their order does not matter.
+
+Without the ``serve`` extra (FastAPI, uvicorn; httpx from ``dev``) each test that needs it skips and
+says why; ``ELASTICMEM_REQUIRE_SERVE=1`` (set by .ci/run) turns those skips into failures. The
+limits and failure paths are tested in process, in seconds, by tests/unit/test_serve_limits.py.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from serve_support import require_serve_extra
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+try:
+    import httpx
+except ImportError:  # the tests that need it skip, or fail under ELASTICMEM_REQUIRE_SERVE=1
+    httpx = None
 
 KEY_A = "sk-tenant-a-0123456789"
 KEY_B = "sk-tenant-b-9876543210"
@@ -68,6 +74,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
+    require_serve_extra()
     d = tmp_path_factory.mktemp("serve")
     keys = d / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "groups": ["a/*"]},
@@ -184,16 +191,20 @@ def test_add_list_ask_and_chat_completions(server):
         assert chat["model"] == "elasticmem" and isinstance(chat["created"], int)
         choice = chat["choices"][0]
         assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
-        assert isinstance(choice["message"]["content"], str) and choice["finish_reason"] in ("stop", "length")
+        assert isinstance(choice["message"]["content"], str)
         usage = chat["usage"]
         assert 1 <= usage["completion_tokens"] <= 2
+        # "length" exactly when the answer used all of max_tokens (else it ended on its own: "stop")
+        assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 2 else "stop"), chat
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert usage["prompt_tokens"] > usage["memory_tokens"] >= 0  # memory tokens counted in the prompt
         assert chat["memory_group"] == "a/profile" and len(chat["memories"]) == 2
         _check_memories(chat["memories"], "a/profile", chunks)
         # the group may also come from OpenAI's "user" field
-        r = c.post("/v1/chat/completions", json={"user": "a/profile", "messages": [{"role": "user", "content": "x"}]})
+        r = c.post("/v1/chat/completions", json={"user": "a/profile", "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 1})
         assert r.status_code == 200 and r.json()["memory_group"] == "a/profile", r.text
+        assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
 
         assert _listing(c, "a/never-written") == []  # a group with no memory: empty, not an error
         r = c.post("/v1/ask", json={"group": "a/never-written", "question": "anything?"})
@@ -202,6 +213,9 @@ def test_add_list_ask_and_chat_completions(server):
 
     health = httpx.get(f"{server.url}/health").json()  # no key needed, no tenant data
     assert health["status"] == "ok" and health["system"] == "elasticmem"
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 401  # the API's description needs a key
+    with server.client(KEY_B) as b:
+        assert "/v1/ask" in b.get("/openapi.json").json()["paths"]
 
 
 def test_tenants_are_refused_each_others_groups(server):
@@ -462,6 +476,7 @@ def test_missing_fastapi_prints_the_install_command():
 
 
 def test_bad_api_keys_file_is_refused_at_start(tmp_path):
+    require_serve_extra()  # without FastAPI, main() stops at the install hint before reading the keys
     bad = tmp_path / "keys.json"
     bad.write_text(json.dumps({"sk-valid-key-1": {"tenant": "a", "groups": "a/*"}}))
     p = subprocess.run([sys.executable, "-m", "elasticmem.serve", "--bank", str(tmp_path / "bank"), "--api-keys",

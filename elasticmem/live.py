@@ -135,7 +135,6 @@ class LiveMemory:
         self._answerer = answerer or ElasticMemSystem(model, system)
         self._lock = threading.RLock()
         self._asked = 0
-        self._manifest_stat = self._stat()
 
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, bank: str | Path | None = None,
@@ -199,7 +198,6 @@ class LiveMemory:
             adds.append(SessionAdd(_check_group(group), [_turn(t, self.max_turn_chars) for t in turns]))
         with self._lock:
             res = self.model.remember(adds, batch_size=self.encode_batch_size)
-            self._manifest_stat = self._stat()
         return [AddResult(a.group, len(rows), skipped, rows) for a, (rows, skipped) in zip(adds, res.per_item)]
 
     def chunks(self, group: str) -> list[dict[str, Any]]:
@@ -219,22 +217,14 @@ class LiveMemory:
 
     def refresh(self) -> bool:
         """Pick up rows other processes appended to the bank folder; True when there were any.
-        ``ask`` does it by itself when the bank's manifest changed on disk."""
+        ``ask`` does it by itself (a stat of the manifest and a read of its journal's tail)."""
         with self._lock:
-            self._manifest_stat = self._stat()
             return self.model.refresh_bank()
 
-    def _stat(self) -> tuple[int, int, int]:
-        from elasticmem.bank.store import MANIFEST
-
-        st = (self.model.bank.root / MANIFEST).stat()
-        return st.st_mtime_ns, st.st_size, st.st_ino
-
     def _refresh_if_changed(self) -> None:
-        """Another process (build_bank.py --append, a second server) may have appended: an atomic
-        manifest replacement changes its inode, so one stat per call notices it."""
-        if self._stat() != self._manifest_stat:
-            self.refresh()
+        """Another process (build_bank.py --append, a second server) may have appended: its
+        commits are the journal's new records, so reading them costs what they hold, not the bank."""
+        self.refresh()
 
     # ------------------------------------------------------------------ answers
 

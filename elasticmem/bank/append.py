@@ -5,14 +5,24 @@ the bank's own tokenization, key variant, content layer, cache length and dtype)
 
 1. writes them as one new shard and one new chunk file, under names no manifest refers to yet
    (each through a temporary file, fsync and rename), and
-2. replaces the manifest atomically (the same tmp + rename), which is the commit.
+2. appends one checksummed record naming them to the manifest's journal and fsyncs it, which is
+   the commit (``elasticmem.bank.store``: the bank is ``manifest.json`` with its journal's
+   records applied). A bank without a journal yet (a build's) commits its first append by
+   replacing ``manifest.json`` atomically (tmp + rename) with one that names a new journal.
 
-A crash at any point before 2 leaves the previous manifest, which names only the previous
-files: the bank opens and reads as before (a later append writes over the orphaned files).
-Readers hold a snapshot (``Bank``): the files a manifest names never change, so a reader opened
-before an append keeps reading its rows; ``Bank.refresh()`` opens the newest manifest and
-``KeyIndex.refresh`` adds the new rows to a search index. Appends to one folder are serialised
-by an exclusive lock on the folder (processes and threads alike).
+A crash at any point before 2 leaves the previous state, which names only the previous files:
+the bank opens and reads as before (a later append writes over the orphaned files and truncates
+a torn journal record). Readers hold a snapshot (``Bank``): the files a manifest names never
+change, so a reader opened before an append keeps reading its rows; ``Bank.refresh()`` reads the
+journal's new records and ``KeyIndex.refresh`` adds the new rows to a search index. Appends to one
+folder are serialised by an exclusive lock on the folder (processes and threads alike).
+
+What an append costs does not grow with the bank: the snapshot appended to is brought up to date
+from the journal's tail, the per-group state (chunk hashes, next session, the running
+``groups_sha256``) is kept between appends of a process (``Bank``'s shared records), and only the
+new rows are encoded and written. Small appended shards are merged by ``compact`` in levels
+(``COMPACT_FANOUT``), which writes each row about ``log_fanout(COMPACT_ROWS)`` times in all; it
+then rewrites ``manifest.json`` with a new journal.
 
 A chunk is identified within its group by the sha256 of its text: a chunk whose text the
 group already holds is skipped, so a retried or repeated append adds nothing. Chunks are
@@ -44,13 +54,22 @@ from elasticmem.bank.builder import (
     _atomic_write_bytes,
     _atomic_write_text,
     _dir_lock,
-    chunks_fingerprint,
     encode_shard,
     key_spec,
     prompt_key_ids,
 )
 from elasticmem.bank.kv import kv_spec, rotary_module
-from elasticmem.bank.store import APPEND_FORMAT_VERSION, CHUNKS, MANIFEST, Bank, BankError, shard_name
+from elasticmem.bank.store import (
+    APPEND_FORMAT_VERSION,
+    CHUNKS,
+    GROUPS_SHA256,
+    MANIFEST,
+    Bank,
+    BankError,
+    apply_record,
+    journal_line,
+    shard_name,
+)
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
 from elasticmem.data.schema import Turn
@@ -94,6 +113,10 @@ def chunk_file_name(i: int) -> str:
     return f"chunks-{i:05d}.jsonl"
 
 
+def _journal_name() -> str:
+    return f"journal-{uuid.uuid4().hex[:16]}.log"
+
+
 def _fsync_dir(path: Path) -> None:
     """Make the renames in ``path`` durable (a rename is only on disk once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY)
@@ -127,7 +150,7 @@ def create_bank(root: str | Path, backbone, chunking: ChunkingConfig, bank_cfg: 
         "key": key_spec(bank_cfg),
         "shards": [], "chunk_files": [], "groups": {}, "groups_sha256": {},
         # a unique plan id: an index saved for another bank that lived in this folder is never reused
-        "build": {"plan_id": f"live-{uuid.uuid4().hex}", "appends": 0},
+        "build": {"plan_id": f"live-{uuid.uuid4().hex}", "appends": 0, "journal": _journal_name()},
     }
     if bank_cfg.content_layer != -1:
         manifest["content_layer"] = int(bank_cfg.content_layer)
@@ -135,42 +158,147 @@ def create_bank(root: str | Path, backbone, chunking: ChunkingConfig, bank_cfg: 
         rotary_module(backbone.model.get_decoder())
         manifest["kv"] = {**kv_spec(backbone.model.config), "dtype": bank_cfg.kv_dtype}
     _atomic_write_text(root / CHUNKS, "")
+    _atomic_write_bytes(root / manifest["build"]["journal"], b"")
     _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(root)
     return Bank.open(root)
+
+
+class _GroupMemo:
+    """What an append needs to know of a group's rows, kept up to date from the new rows only:
+    the sha256 of each chunk text, the next session index and the running ``groups_sha256``
+    (``chunks_fingerprint`` hashes ``json.dumps(texts)``, which is ``[`` + the texts' JSON joined
+    by ``, `` + ``]``: it can be fed one text at a time)."""
+
+    def __init__(self):
+        self.n = 0
+        self.known: set[str] = set()
+        self.next_session = 0
+        self.hasher = hashlib.sha256(b"[")
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.feed(self.hasher, rec["text"], self.n)
+        self.known.add(text_sha256(rec["text"]))
+        self.next_session = max(self.next_session, int(rec.get("session", -1)) + 1)
+        self.n += 1
+
+    @staticmethod
+    def feed(hasher, text: str, n_before: int) -> None:
+        hasher.update((", " if n_before else "").encode() + json.dumps(text, ensure_ascii=False).encode("utf-8"))
+
+    def fingerprint(self, more: Sequence[str] = ()) -> str:
+        h = self.hasher.copy()
+        for k, t in enumerate(more):
+            self.feed(h, t, self.n + k)
+        h.update(b"]")
+        return h.hexdigest()
+
+
+def _tail_rows(segments: Sequence[tuple[int, int]], skip: int) -> list[int]:
+    """The rows of ``segments`` after the first ``skip``, walking from the end (the cost is the
+    rows returned and the segments they span, not the group's size)."""
+    out: list[list[int]] = []
+    want = sum(b - a for a, b in segments) - skip
+    for a, b in reversed(segments):
+        if want <= 0:
+            break
+        take = min(want, b - a)
+        out.append(list(range(b - take, b)))
+        want -= take
+    return [r for part in reversed(out) for r in part]
+
+
+def _group_memo(bank: Bank, group: str) -> _GroupMemo:
+    """``group``'s memo as of ``bank`` (a new group: empty), brought up to date with its rows."""
+    memos = bank._store.memo
+    segs = bank.groups.get(group, ())
+    size = sum(b - a for a, b in segs)
+    memo = memos.get(group)
+    if memo is None or memo.n > size:  # a first look, or an older snapshot than the memo's
+        memo = _GroupMemo()
+        if group not in memos or memos[group].n <= size:
+            memos[group] = memo
+    if memo.n < size:
+        chunks = bank.chunks()
+        for r in _tail_rows(segs, memo.n):
+            memo.add(chunks[r])
+    return memo
 
 
 def _new_chunks(bank: Bank, items: Sequence[SessionAdd]) -> tuple[list[tuple[int, Chunk]], list[int]]:
     """The chunks of ``items`` that their groups do not hold yet, each with the index of its item,
     grouped by group (first appearance order, so each group's new rows are contiguous), and the
     skipped count of each item."""
-    chunks = bank.chunks()
-    known: dict[str, set[str]] = {}
-    next_session: dict[str, int] = {}
-    for g in dict.fromkeys(it.group for it in items):
-        rows = bank.group_row_ids(g).tolist() if g in bank.groups else []
-        known[g] = {text_sha256(chunks[r]["text"]) for r in rows}
-        next_session[g] = 1 + max((int(chunks[r].get("session", -1)) for r in rows), default=-1)
-    by_group: dict[str, list[tuple[int, Chunk]]] = {g: [] for g in known}
-    skipped = [0] * len(items)
-    for i, it in enumerate(items):
+    for it in items:
         if not it.group or not isinstance(it.group, str):
             raise ValueError(f"a memory group must be a non-empty string, got {it.group!r}")
+    memos = {g: _group_memo(bank, g) for g in dict.fromkeys(it.group for it in items)}
+    added: dict[str, set[str]] = {g: set() for g in memos}  # the memos change only once rows are committed
+    next_session = {g: m.next_session for g, m in memos.items()}
+    by_group: dict[str, list[tuple[int, Chunk]]] = {g: [] for g in memos}
+    skipped = [0] * len(items)
+    for i, it in enumerate(items):
         s = next_session[it.group] if it.session is None else int(it.session)
         if s < 0:
             raise ValueError(f"session index must be >= 0, got {s}")
         made = 0
         for c in chunk_history([list(it.turns)], it.group):
             h = text_sha256(c.text)
-            if h in known[it.group]:
+            if h in memos[it.group].known or h in added[it.group]:
                 skipped[i] += 1
                 continue
-            known[it.group].add(h)
+            added[it.group].add(h)
             by_group[it.group].append((i, Chunk(c.group, c.text, s, c.turns)))
             made += 1
         if made:
             next_session[it.group] = max(next_session[it.group], s + 1)
     return [c for cs in by_group.values() for c in cs], skipped
+
+
+def _latest(root: Path, bank: Bank | None, fingerprint: str) -> Bank:
+    """The bank's newest state (the folder's lock held): ``bank`` brought up to date from the
+    journal's tail, or opened; a journal record a crash tore is cut off, so the next one follows
+    the last whole record."""
+    if bank is None or bank.fingerprint != fingerprint:
+        bank = Bank.open(root, expect_fingerprint=fingerprint, like=bank)
+    else:
+        bank = bank.refresh()
+    journal = bank.journal
+    if journal is not None and journal.is_file() and journal.stat().st_size > bank._journal_offset:
+        with open(journal, "r+b") as f:
+            f.truncate(bank._journal_offset)
+            os.fsync(f.fileno())
+    return bank
+
+
+def _append_journal(journal: Path, record: dict[str, Any]) -> int:
+    """Commit ``record``: append its line to ``journal`` and make it durable. Returns the journal's
+    new length."""
+    line = journal_line(record)
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+    try:
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _checkpoint(bank: Bank, manifest: dict[str, Any]) -> Bank:
+    """Commit ``manifest`` (the state of ``bank``'s folder from now on) as ``manifest.json`` with a
+    new, empty journal, and seal the journal ``bank`` read (readers then reopen the manifest)."""
+    root = bank.root
+    name = _journal_name()
+    _atomic_write_bytes(root / name, b"")
+    manifest = {**manifest, "build": {**manifest.get("build", {}), "journal": name}}
+    _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))  # the commit
+    _fsync_dir(root)
+    old = bank.journal
+    if old is not None and old.is_file():
+        _append_journal(old, {"op": "seal", "by": name})
+    return Bank.open(root, expect_fingerprint=bank.fingerprint, like=bank)
 
 
 def append_sessions(
@@ -185,15 +313,18 @@ def append_sessions(
     """Encode the chunks of ``items`` and append them to the bank at ``root`` (see the module
     docstring). ``decoder`` must compute the frozen encoder's states (for a LoRA-wrapped model,
     call this inside its ``disable_adapter()``); ``fingerprint`` is the encoder's, checked
-    against the bank's. Returns the new snapshot and the rows added per group."""
+    against the bank's. Returns the new snapshot and the rows added per group. Given a ``Bank``
+    (the snapshot last returned, as ``ElasticMem.remember`` passes), the append reads only what
+    changed since; given a folder, it opens the bank."""
     t0 = time.perf_counter()
+    snapshot = root if isinstance(root, Bank) else None
     root = root.root if isinstance(root, Bank) else Path(root)
     if not (root / MANIFEST).is_file():
         raise BankError(f"no bank at {root}: create one first (elasticmem.bank.append.create_bank, or build_bank.py)")
     with _dir_lock(root):
-        bank = Bank.open(root, expect_fingerprint=fingerprint)
+        bank = _latest(root, snapshot, fingerprint)
         for p in root.iterdir():  # debris of an append that crashed before its commit
-            if ".tmp" in p.name and p.name.startswith((MANIFEST, "chunks", "shard-")):
+            if ".tmp" in p.name and p.name.startswith((MANIFEST, "chunks", "shard-", "journal-")):
                 p.unlink(missing_ok=True)
         tagged, item_skipped = _new_chunks(bank, items)
         new = [c for _, c in tagged]
@@ -222,56 +353,59 @@ def append_sessions(
         i, start = _next_index(m), bank.num_chunks
         data = st_save(tensors, metadata={"plan_id": m.get("build", {}).get("plan_id") or "", "append": str(i)})
         _atomic_write_bytes(root / shard_name(i), data)
-        lines = []
+        records = []
         for r, ((item, c), t) in enumerate(zip(tagged, ids), start):
             rows[c.group].append(r)
             per_item[item][0].append(r)
-            lines.append(json.dumps({"row": r, "group": c.group, "text": c.text, "n_tokens": len(t),
-                                     "session": c.session, "turns": list(c.turns)}, ensure_ascii=False))
-        text = ("\n".join(lines) + "\n").encode("utf-8")
+            records.append({"row": r, "group": c.group, "text": c.text, "n_tokens": len(t),
+                            "session": c.session, "turns": list(c.turns)})
+        text = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
         _atomic_write_bytes(root / chunk_file_name(i), text)
+        _fsync_dir(root)  # the files are in the folder before a record names them
 
-        manifest = json.loads(json.dumps(m))  # a deep copy
-        manifest["format_version"] = APPEND_FORMAT_VERSION
-        manifest["num_chunks"] = start + len(new)
-        manifest["shards"].append({"file": shard_name(i), "rows": len(new), "sha256": hashlib.sha256(data).hexdigest(),
-                                   "bytes": len(data)})
-        manifest.setdefault("chunk_files", []).append(
-            {"file": chunk_file_name(i), "rows": len(new), "sha256": hashlib.sha256(text).hexdigest(),
-             "bytes": len(text)})
-        old_texts = bank.chunks()
-        fps = manifest.setdefault("groups_sha256", {})
-        for g, rs in rows.items():
-            if not rs:
-                continue
-            segs = [list(s) for s in bank.groups.get(g, ())]
-            if segs and segs[-1][1] == rs[0]:
-                segs[-1][1] = rs[-1] + 1
-            else:
-                segs.append([rs[0], rs[-1] + 1])
-            manifest["groups"][g] = segs
-            before = [old_texts[r]["text"] for r in (bank.group_row_ids(g).tolist() if g in bank.groups else [])]
-            fps[g] = chunks_fingerprint(before + [new[r - start].text for r in rs])
-        build = manifest.setdefault("build", {})
-        build["appends"] = int(build.get("appends", 0)) + 1
-        build.setdefault("lineage", uuid.uuid4().hex)  # see Bank.extends
-        _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))  # the commit
-        _fsync_dir(root)
-        grown = Bank.open(root, expect_fingerprint=fingerprint)
-        if sum(1 for c in grown.manifest["chunk_files"] if c["rows"] < COMPACT_ROWS) > MAX_SMALL_SHARDS:
+        touched = {g: rs for g, rs in rows.items() if rs}
+        record = {
+            "op": "append", "num_chunks": start + len(new),
+            "shard": {"file": shard_name(i), "rows": len(new), "sha256": hashlib.sha256(data).hexdigest(),
+                      "bytes": len(data)},
+            "chunk_file": {"file": chunk_file_name(i), "rows": len(new), "sha256": hashlib.sha256(text).hexdigest(),
+                           "bytes": len(text)},
+            "groups": {g: [rs[0], rs[-1] + 1] for g, rs in touched.items()},
+            GROUPS_SHA256: {g: _group_memo(bank, g).fingerprint([new[r - start].text for r in rs])
+                            for g, rs in touched.items()},
+            "lineage": m.get("build", {}).get("lineage") or uuid.uuid4().hex,  # see Bank.extends
+        }
+        if bank.journal is None:  # a build's bank (or one appended to before journals): start one
+            grown = _checkpoint(bank, apply_record(m, record))
+        else:
+            grown = bank._grown([record], _append_journal(bank.journal, record))  # the commit
+        grown._add_records(start, records)
+        if _merge_plan(_appended_rows(grown.manifest)):
             grown = _compact(grown)
+        elif grown._journal_records >= CHECKPOINT_RECORDS:
+            grown = _checkpoint(grown, grown.manifest)
         return AppendResult(grown, rows, skipped, per_item, time.perf_counter() - t0)
 
 
 COMPACT_ROWS = 4096
-"""Appended shards are merged into shards of up to this many rows (``compact``)."""
-MAX_SMALL_SHARDS = 32
-"""An append that leaves more appended shards smaller than ``COMPACT_ROWS`` compacts the bank: a
-server adding one session per request would otherwise write two files per request, and every
-open of the bank maps every shard."""
+"""Appended shards are merged into shards of at least this many rows (and fewer than twice as
+many); a shard this large is never merged again."""
+COMPACT_FANOUT = 64
+"""Merge levels: shards are merged as soon as consecutive ones smaller than
+``COMPACT_ROWS / COMPACT_FANOUT**k`` hold that many rows together. A row is rewritten at most
+once per level (``ceil(log_fanout(COMPACT_ROWS))`` = 2 times), and at most about
+``COMPACT_FANOUT - 1`` shards of each level stay small: a server adding one session per request
+neither writes each row many times nor keeps a file pair per request."""
+MAX_SMALL_SHARDS = 256
+"""A mix of append sizes that leaves more small shards than this (one large append after each
+run of small ones, repeatedly) has them merged with their neighbours up to ``COMPACT_ROWS``."""
+CHECKPOINT_RECORDS = 256
+"""A journal with this many records is folded into a new ``manifest.json`` (opening a bank
+replays its journal)."""
 GRACE_S = 600.0
-"""Files a compaction replaced are deleted by a later one once they are this old: a reader that
-opened the bank before may still read them (its snapshot's chunk texts are read on first use)."""
+"""Files and journals a compaction replaced are deleted by a later one once replaced this long
+ago: a reader that opened the bank before may still read them (its snapshot's chunk texts are
+read on first use)."""
 
 
 def _next_index(manifest: dict[str, Any]) -> int:
@@ -280,37 +414,68 @@ def _next_index(manifest: dict[str, Any]) -> int:
     return max(used, default=-1) + 1
 
 
+def _appended_rows(manifest: dict[str, Any]) -> list[int]:
+    """The rows of each appended shard (the shards that have chunk files), in order."""
+    return [int(c["rows"]) for c in manifest.get("chunk_files", [])]
+
+
+def _merge_plan(sizes: Sequence[int], target_rows: int | None = None, fanout: int | None = None) -> list[list[int]]:
+    """Which runs of consecutive appended shards (given their row counts) to merge: for each level
+    ``b = target / fanout**k`` from the smallest up, consecutive pieces smaller than ``b`` are
+    gathered from the oldest until they hold ``b`` rows, and merged. A merged piece holds at least
+    ``b`` rows, so a row changes level at each rewrite. The merges of one call compose (a run is
+    written once, from the original shards)."""
+    target = target_rows or COMPACT_ROWS
+    fanout = fanout or COMPACT_FANOUT
+    bounds, b = [], float(target)
+    while b > 1:
+        bounds.append(b)
+        b /= fanout
+    pieces = [([k], n) for k, n in enumerate(sizes)]
+    for b in sorted(bounds):
+        out: list[tuple[list[int], int]] = []
+        run: list[tuple[list[int], int]] = []
+        for piece in pieces:
+            if piece[1] >= b:
+                out += run + [piece]
+                run = []
+                continue
+            run.append(piece)
+            if sum(n for _, n in run) >= b:
+                out.append(([k for ks, _ in run for k in ks], sum(n for _, n in run)))
+                run = []
+        pieces = out + run
+    if sum(1 for _, n in pieces if n < target) > MAX_SMALL_SHARDS:
+        out, cur = [], ([], 0)
+        for ks, n in pieces:
+            if cur[0] and cur[1] + n > target:
+                out.append(cur)
+                cur = ([], 0)
+            cur = (cur[0] + ks, cur[1] + n)
+        pieces = out + [cur]
+    return [ks for ks, _ in pieces if len(ks) > 1]
+
+
 def compact(root: str | Path, target_rows: int | None = None) -> Bank:
-    """Merge runs of consecutive appended shards (and their chunk files) into shards of up to
-    ``target_rows`` rows (default ``COMPACT_ROWS``). Rows keep their numbers, order and values, so
-    search results, cached row ids and indexes stay valid; readers keep their snapshot. Files no
-    manifest needs any more are deleted once ``GRACE_S`` old. Append calls this by itself
-    (``MAX_SMALL_SHARDS``)."""
+    """Merge runs of consecutive appended shards (and their chunk files) by ``_merge_plan``
+    (levels up to ``target_rows``, default ``COMPACT_ROWS``), and fold the journal into a new
+    ``manifest.json``. Rows keep their numbers, order and values, so search results, cached row
+    ids and indexes stay valid; readers keep their snapshot. Files no manifest needs any more
+    are deleted once replaced ``GRACE_S`` ago. Append calls this by itself."""
     root = Path(root)
     with _dir_lock(root):
-        return _compact(Bank.open(root), target_rows)
+        bank = Bank.open(root)
+        return _compact(_latest(root, bank, bank.fingerprint), target_rows)
 
 
 def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
     """``compact`` with the folder's lock held."""
     from safetensors import safe_open
 
-    target_rows = target_rows or COMPACT_ROWS
     root, m = bank.root, bank.manifest
     appended = m.get("chunk_files", [])
     first = len(m["shards"]) - len(appended)  # shards before are a build's (texts in chunks.jsonl)
-    runs: list[list[int]] = []
-    for k in range(len(appended)):
-        rows = m["shards"][first + k]["rows"]
-        if rows >= target_rows:
-            continue
-        size = sum(m["shards"][first + j]["rows"] for j in runs[-1]) if runs else 0
-        if runs and runs[-1][-1] == k - 1 and size + rows <= target_rows:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
-    runs = [r for r in runs if len(r) > 1]
-    manifest = json.loads(json.dumps(m))
+    runs = _merge_plan(_appended_rows(m), target_rows)
     nxt = _next_index(m)
     replace: dict[int, tuple[dict, dict]] = {}  # first appended index of a run -> merged shard, chunk file
     for run in runs:
@@ -331,33 +496,38 @@ def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
                            {"file": chunk_file_name(nxt), "rows": rows, "sha256": hashlib.sha256(text).hexdigest(),
                             "bytes": len(text)})
         nxt += 1
+    grown = bank
     if replace:
+        _fsync_dir(root)
         merged = {k for run in runs for k in run}
-        shards, chunk_files = manifest["shards"][:first], []
+        shards, chunk_files = m["shards"][:first], []
         for k in range(len(appended)):
             if k in replace:
                 shards.append(replace[k][0])
                 chunk_files.append(replace[k][1])
             elif k not in merged:
-                shards.append(manifest["shards"][first + k])
+                shards.append(m["shards"][first + k])
                 chunk_files.append(appended[k])
-        manifest["shards"], manifest["chunk_files"] = shards, chunk_files
-        build = manifest.setdefault("build", {})
+        build = dict(m.get("build", {}))
         build["compactions"] = int(build.get("compactions", 0)) + 1
-        _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
-        _fsync_dir(root)
-    _collect_garbage(root, manifest)
-    return Bank.open(root, expect_fingerprint=bank.fingerprint) if replace else bank
+        grown = _checkpoint(bank, {**m, "shards": shards, "chunk_files": chunk_files, "build": build})
+        now = time.time()
+        for k in merged:  # their grace time starts now, when they stop being the bank's
+            for f in (m["shards"][first + k]["file"], appended[k]["file"]):
+                os.utime(root / f, (now, now))
+    _collect_garbage(root, grown.manifest)
+    return grown
 
 
 def _collect_garbage(root: Path, manifest: dict[str, Any], grace_s: float | None = None) -> None:
-    """Delete shard and chunk files the manifest does not name, once older than ``grace_s``
-    (default ``GRACE_S``)."""
+    """Delete shard, chunk and journal files the manifest does not name, once older than
+    ``grace_s`` (default ``GRACE_S``)."""
     grace_s = GRACE_S if grace_s is None else grace_s
-    needed = {s["file"] for s in manifest["shards"]} | {c["file"] for c in manifest.get("chunk_files", [])}
+    needed = ({s["file"] for s in manifest["shards"]} | {c["file"] for c in manifest.get("chunk_files", [])}
+              | {manifest.get("build", {}).get("journal")})
     now = time.time()
     for p in root.iterdir():
-        if (p.name.startswith("shard-") or p.name.startswith("chunks-")) and p.name not in needed and (
+        if p.name.startswith(("shard-", "chunks-", "journal-")) and p.name not in needed and (
                 ".tmp" not in p.name and now - p.stat().st_mtime > grace_s):
             p.unlink(missing_ok=True)
 

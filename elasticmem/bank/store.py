@@ -9,17 +9,30 @@ Whether the bank holds the chunks of given examples is checked by
 ``elasticmem.data.validate.validate_examples`` against ``Bank.groups_sha256``.
 
 A bank grows by appends (``elasticmem.bank.append``): each adds a shard and a chunk file under
-new names and then replaces the manifest atomically, so a ``Bank`` is a snapshot: it keeps
-reading the files its manifest named, and ``refresh()`` opens the newest manifest. Appended rows
-come after every earlier row, so a group's rows are one or more segments (``group_segments``).
+new names and then commits by appending one record to the manifest's journal (the file
+``build.journal`` of ``manifest.json`` names; ``manifest.json`` itself is rewritten only when an
+append starts a journal or a compaction regroups the files). The bank is ``manifest.json`` with
+the journal's records applied in order. A ``Bank`` is a snapshot: it keeps reading the files its
+manifest named, and ``refresh()`` reads only what was committed since (the journal's new
+records), sharing the chunk records already read. Appended rows come after every earlier row, so
+a group's rows are one or more segments (``group_segments``).
+
+Journal: one record per line, ``<first 16 hex of sha256(body)> <body JSON>``. A reader stops at
+the first line that is incomplete or does not match its checksum (an append in progress, or one
+a crash tore): the records before it are the bank; an appender truncates such a tail before it
+writes. A journal that a compaction replaced ends with a ``seal`` record.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +54,113 @@ GROUPS_SHA256 = "groups_sha256"
 
 class BankError(RuntimeError):
     """A bank folder is missing, incomplete, corrupted or built for another encoder."""
+
+
+# ---------------------------------------------------------------------- journal
+
+
+def journal_line(record: dict[str, Any]) -> bytes:
+    """One journal record as the line an appender writes (checksummed, newline-terminated)."""
+    body = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(body).hexdigest()[:16].encode() + b" " + body + b"\n"
+
+
+def read_journal(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int, bool]:
+    """The whole records of the journal ``path`` from byte ``offset`` on: (records, the offset
+    after the last one, whether a ``seal`` record ends them; the seal is not returned). A missing
+    journal reads as sealed (a compaction replaced it and its grace time passed)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset, True
+    records, pos = [], 0
+    while True:
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break
+        line = data[pos:nl]
+        digest, _, body = line.partition(b" ")
+        if hashlib.sha256(body).hexdigest()[:16].encode() != digest:
+            break  # torn by a crash (or still being written): not committed
+        rec = json.loads(body)
+        if rec.get("op") == "seal":
+            return records, offset + pos, True
+        records.append(rec)
+        pos = nl + 1
+    return records, offset + pos, False
+
+
+def apply_record(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """The manifest after one journal record. ``manifest`` is not changed: containers that change
+    are copied (one level), the others shared, so snapshots share what they have in common."""
+    if rec.get("op") != "append":
+        raise BankError(f"unknown journal record {rec.get('op')!r}: written by a newer elasticmem?")
+    m = dict(manifest)
+    m["format_version"] = APPEND_FORMAT_VERSION
+    m["num_chunks"] = int(rec["num_chunks"])
+    m["shards"] = [*m["shards"], rec["shard"]]
+    m["chunk_files"] = [*m.get("chunk_files", []), rec["chunk_file"]]
+    groups = m["groups"] = dict(m["groups"])
+    for g, (a, b) in rec["groups"].items():
+        segs = [list(x) for x in parse_segments(groups[g])] if g in groups else []
+        if segs and segs[-1][1] == a:
+            segs[-1] = [segs[-1][0], b]
+        else:
+            segs.append([a, b])
+        groups[g] = segs
+    m[GROUPS_SHA256] = {**m.get(GROUPS_SHA256, {}), **rec[GROUPS_SHA256]}
+    build = m["build"] = dict(m.get("build", {}))
+    build["appends"] = int(build.get("appends", 0)) + 1
+    build.setdefault("lineage", rec["lineage"])
+    return m
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when ``manifest.json`` is replaced (a rename gives another inode, size or time)."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class _RowStore:
+    """The chunk records of one line of appends, shared by all its snapshots: rows are never
+    rewritten (appends add rows, compaction only regroups files), so the first n records are
+    every snapshot's first n. ``records`` only grows; ``memo`` is for appenders (per-group state)."""
+
+    def __init__(self):
+        self.records: list[dict[str, Any]] = []
+        self.memo: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+
+class ChunkRecords(Sequence):
+    """A snapshot's chunk records, rows ``0..n-1`` (a read-only view of the shared records)."""
+
+    def __init__(self, records: list[dict[str, Any]], n: int):
+        self._records, self._n = records, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._records[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"row {i} out of range [0, {self._n})")
+        return self._records[i]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._records[i] for i in range(self._n))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"ChunkRecords({self._n} rows)"
 
 
 def shard_name(i: int) -> str:
@@ -68,7 +188,10 @@ class ShardInfo:
 class Bank:
     """Read-only view of a bank folder (DESIGN.md section 3.1)."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any]):
+    def __init__(self, root: Path, manifest: dict[str, Any], like: "Bank | None" = None,
+                 changed_groups: Iterable[str] | None = None):
+        """``like``: a snapshot of the same line of appends whose open shard files, chunk records
+        and groups (all but ``changed_groups``) this one reuses instead of reading them again."""
         self.root = root
         self.manifest = manifest
         self.shards: list[ShardInfo] = []
@@ -79,31 +202,60 @@ class Bank:
         if start != self.num_chunks:
             raise BankError(f"{root / MANIFEST}: shards hold {start} rows but num_chunks is {self.num_chunks}")
         self._starts = np.array([s.start for s in self.shards], dtype=np.int64)
-        self.groups: dict[str, tuple[tuple[int, int], ...]] = {
-            g: parse_segments(v) for g, v in manifest["groups"].items()}
+        if like is not None and changed_groups is not None:
+            self.groups = dict(like.groups)
+            for g in changed_groups:
+                self.groups[g] = parse_segments(manifest["groups"][g])
+        else:
+            self.groups: dict[str, tuple[tuple[int, int], ...]] = {
+                g: parse_segments(v) for g, v in manifest["groups"].items()}
         """Each group's ``[start, end)`` row segments, in row order (one for a built bank)."""
+        reuse = {s.file: h for s, h in zip(like.shards, like._handles)} if like is not None else {}
         self._handles: list[Any] = []
         for s in self.shards:
             path = root / s.file
+            if s.file in reuse:  # a file name is never reused for other content within a line of appends
+                self._handles.append(reuse[s.file])
+                continue
             try:
                 self._handles.append(safe_open(str(path), framework="pt"))
             except Exception as e:  # safetensors raises its own error types for broken headers
                 raise BankError(f"bank shard {path} cannot be opened ({e}); rebuild the bank") from None
-        self._chunks: list[dict[str, Any]] | None = None
+        self._store = like._store if like is not None else _RowStore()
+        # where this snapshot's state was read from: manifest.json's stamp, the journal and how far
+        self._stamp: tuple[int, ...] | None = None
+        self._journal_offset = 0
+        self._journal_records = 0
 
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, root: str | Path, expect_fingerprint: str | None = None, verify: bool = False) -> "Bank":
+    def open(cls, root: str | Path, expect_fingerprint: str | None = None, verify: bool = False,
+             like: "Bank | None" = None) -> "Bank":
+        """The bank in ``root``: ``manifest.json`` with its journal's records applied. ``like``: an
+        older snapshot of this bank whose chunk records are reused when this one extends it."""
         root = Path(root)
         mpath = root / MANIFEST
-        if not mpath.is_file():
-            hint = " (an unfinished build: run build_bank.py again to resume it)" if (root / ".build").is_dir() else ""
-            raise BankError(f"no bank at {root}: {MANIFEST} is missing{hint}")
-        try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise BankError(f"{mpath}: not valid JSON ({e})") from None
+        for _ in range(100):  # a compaction may replace the manifest between our reads of it and its journal
+            try:
+                with open(mpath, "rb") as f:
+                    stamp = _stamp(os.fstat(f.fileno()))
+                    text = f.read()
+            except FileNotFoundError:
+                hint = " (an unfinished build: run build_bank.py again to resume it)" if (root / ".build").is_dir() else ""
+                raise BankError(f"no bank at {root}: {MANIFEST} is missing{hint}") from None
+            try:
+                manifest = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise BankError(f"{mpath}: not valid JSON ({e})") from None
+            journal = manifest.get("build", {}).get("journal")
+            records, offset, sealed = read_journal(root / journal) if journal else ([], 0, False)
+            if not sealed:
+                break
+        else:
+            raise BankError(f"{mpath} names a replaced journal {journal}: the bank is being rewritten; retry")
+        for rec in records:
+            manifest = apply_record(manifest, rec)
         version = manifest.get("format_version")
         if version not in READABLE_VERSIONS:
             raise BankError(f"{mpath}: format_version {version} is not supported (expected one of "
@@ -127,20 +279,53 @@ class Bank:
                     f"truncated or was replaced; rebuild the bank"
                 )
         bank = cls(root, manifest)
+        bank._stamp, bank._journal_offset, bank._journal_records = stamp, offset, len(records)
+        if like is not None and bank.extends(like):
+            bank._store = like._store
         if verify:
             bank.verify()
         return bank
 
+    @property
+    def journal(self) -> Path | None:
+        """The journal file appends commit to (None: the next append starts one)."""
+        name = self.manifest.get("build", {}).get("journal")
+        return self.root / name if name else None
+
     def refresh(self) -> "Bank":
         """The bank as its folder holds it now: ``self`` when no append happened since this
-        snapshot was opened, else a new ``Bank`` on the newest manifest (this one stays valid)."""
+        snapshot was opened, else a new ``Bank`` on the newest state (this one stays valid).
+        Costs a stat and a read of the journal's new records, unless a compaction rewrote the
+        manifest."""
         try:
-            text = (self.root / MANIFEST).read_text()
+            stamp = _stamp(os.stat(self.root / MANIFEST))
         except FileNotFoundError:
             raise BankError(f"no bank at {self.root} any more: {MANIFEST} is missing") from None
-        if json.loads(text) == self.manifest:
+        if stamp == self._stamp:
+            if self.journal is None:
+                return self
+            records, end, sealed = read_journal(self.journal, self._journal_offset)
+            if not sealed:
+                return self._grown(records, end) if records else self
+        new = Bank.open(self.root, expect_fingerprint=self.fingerprint, like=self)
+        if new.manifest == self.manifest:  # rewritten with the same content: keep reading this snapshot
+            self._stamp, self._journal_offset, self._journal_records = (
+                new._stamp, new._journal_offset, new._journal_records)
             return self
-        return Bank.open(self.root, expect_fingerprint=self.fingerprint)
+        return new
+
+    def _grown(self, records: list[dict[str, Any]], end: int) -> "Bank":
+        """This snapshot with journal ``records`` (read up to byte ``end``) applied."""
+        m = self.manifest
+        for rec in records:
+            m = apply_record(m, rec)
+        for s in m["shards"][len(self.shards):] + m["chunk_files"][len(self.manifest.get("chunk_files", [])):]:
+            if (self.root / s["file"]).stat().st_size != s["bytes"]:
+                raise BankError(f"bank file {self.root / s['file']} does not have the size the journal records")
+        grown = Bank(self.root, m, like=self, changed_groups={g for r in records for g in r["groups"]})
+        grown._stamp, grown._journal_offset = self._stamp, end
+        grown._journal_records = self._journal_records + len(records)
+        return grown
 
     def extends(self, other: "Bank") -> bool:
         """Whether this bank is ``other`` or ``other`` grown by appends, so that ``other``'s rows are
@@ -334,21 +519,40 @@ class Bank:
         base = self.num_chunks - sum(int(c["rows"]) for c in self.manifest.get("chunk_files", []))
         return [{"file": CHUNKS, "rows": base}, *self.manifest.get("chunk_files", [])]
 
-    def chunks(self) -> list[dict[str, Any]]:
-        """All chunk records ``{row, group, text, n_tokens, ...}`` (read on first use)."""
-        if self._chunks is None:
-            chunks: list[dict[str, Any]] = []
-            for rec in self.chunk_files:
-                path = self.root / rec["file"]
-                if rec["file"] == CHUNKS and not path.is_file() and rec["rows"] == 0:
-                    continue  # a bank created empty for appends
-                with open(path, encoding="utf-8") as f:
-                    part = [json.loads(line) for line in f if line.strip()]
-                if len(part) != rec["rows"]:
-                    raise BankError(f"{path} has {len(part)} lines, expected {rec['rows']}")
-                chunks.extend(part)
-            self._chunks = chunks
-        return self._chunks
+    def chunks(self) -> ChunkRecords:
+        """All chunk records ``{row, group, text, n_tokens, ...}`` in row order (a read-only
+        sequence; read on first use, and only the rows no earlier snapshot of this bank read)."""
+        store = self._store
+        if len(store.records) < self.num_chunks:
+            with store.lock:
+                if len(store.records) < self.num_chunks:
+                    self._read_records(store.records)
+        return ChunkRecords(store.records, self.num_chunks)
+
+    def _read_records(self, records: list[dict[str, Any]]) -> None:
+        """Append rows ``len(records)..num_chunks-1`` to ``records`` from the chunk files holding them."""
+        have, start = len(records), 0
+        for rec in self.chunk_files:
+            rows, first = int(rec["rows"]), start
+            start += rows
+            if start <= have:
+                continue
+            path = self.root / rec["file"]
+            if rec["file"] == CHUNKS and not path.is_file() and rows == 0:
+                continue  # a bank created empty for appends
+            with open(path, encoding="utf-8") as f:
+                part = [json.loads(line) for line in f if line.strip()]
+            if len(part) != rows:
+                raise BankError(f"{path} has {len(part)} lines, expected {rows}")
+            records.extend(part[have - first if have > first else 0:])
+            have = len(records)
+
+    def _add_records(self, first: int, new: list[dict[str, Any]]) -> None:
+        """Share chunk records an appender just wrote (rows ``first``...), so that no reader of this
+        line of appends reads them back from disk; ignored unless they come right after those read."""
+        with self._store.lock:
+            if len(self._store.records) == first:
+                self._store.records.extend(new)
 
     def chunk(self, row: int) -> dict[str, Any]:
         return self.chunks()[row]

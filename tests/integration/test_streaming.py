@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli_here
 
-from elasticmem.bank import build_bank
+from elasticmem.bank import Bank, build_bank
 from elasticmem.config import Config
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import load_split, write_examples
@@ -123,7 +123,7 @@ def test_evaluate_cli_streams_and_resumes(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["num_examples"] == n
     ident = json.loads((tmp_path / "out" / "run_identity.json").read_text())
     assert "session" in json.dumps(ident)
-    bank = json.loads((tmp_path / "out" / "stream_bank-0" / "manifest.json").read_text())
+    bank = Bank.open(tmp_path / "out" / "stream_bank-0").manifest  # manifest.json and its journal
     assert bank["build"]["appends"] >= 2 and bank["num_chunks"] > 0
     code, err = _evaluate_here(capsys, args)
     assert code == 0 and f"{n} of {n} examples already answered" in err, err[-3000:]

@@ -45,6 +45,18 @@ def variants_run(tiny_setup, tmp_path_factory):  # noqa: F811
     return tiny_setup, out
 
 
+def _wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The 95 % Wilson score interval of k / n, from its textbook formula."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+def _mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value of b and c discordant pairs (a binomial test at 1/2)."""
+    return min(1.0, 2 * sum(math.comb(b + c, i) for i in range(min(b, c) + 1)) / 2 ** (b + c))
+
+
 def test_every_system_and_ablation_runs_and_is_compared(variants_run):
     _, out = variants_run
     names = ["elasticmem", "no_memory", "text_rag", "full_context", "identity_projector", "clip1", "uniform",
@@ -52,13 +64,13 @@ def test_every_system_and_ablation_runs_and_is_compared(variants_run):
     comparison = (out / "comparison.md").read_text()
     for name in names:
         res = json.loads((out / name / "results.json").read_text())
-        assert res["num_examples"] == 24 and 0.0 <= res["accuracy"] <= 1.0, name
+        predictions = _records(out / name / "predictions.jsonl")
+        right = sum(bool(r["correct"]) for r in predictions)
+        assert res["num_examples"] == len(predictions) == 24 and res["accuracy"] == pytest.approx(right / 24), name
         for key in ("avg_tokens", "avg_memory_tokens", "latency_s_per_example", "per_type"):
             assert key in res, (name, key)
-        assert len(_records(out / name / "predictions.jsonl")) == 24
         assert name in comparison
-        lo, hi = res["accuracy_ci95"]
-        assert 0.0 <= lo <= res["accuracy"] <= hi <= 1.0 and hi - lo > 0.1, name  # 24 questions: a wide interval
+        assert res["accuracy_ci95"] == pytest.approx(_wilson(right, 24), abs=1e-9), name
         assert set(res["per_type_ci95"]) == set(res["per_type"]) == set(res["per_type_counts"]), name
     # every system against the first, paired on the same 24 questions; recounted from the predictions
     summary = json.loads((out / "comparison.json").read_text())
@@ -73,7 +85,9 @@ def test_every_system_and_ablation_runs_and_is_compared(variants_run):
         assert pair["n"] == 24 and pair["reference"] == "elasticmem", name
         assert pair["only_a_correct"] == sum(ref[i] and not other[i] for i in ref), name
         assert pair["only_b_correct"] == sum(other[i] and not ref[i] for i in ref), name
-        assert pair["difference_ci"][0] <= pair["difference"] <= pair["difference_ci"][1] and 0 <= pair["p_value"] <= 1
+        assert pair["difference"] == pytest.approx((sum(other.values()) - sum(ref.values())) / 24), name
+        assert pair["difference_ci"][0] <= pair["difference"] <= pair["difference_ci"][1], name
+        assert pair["p_value"] == pytest.approx(_mcnemar(pair["only_a_correct"], pair["only_b_correct"])), name
         assert f"| {name} | 24 | " in comparison and f"evaluate.py: {name} - elasticmem: " in stdout, name
     assert "evaluate.py: no_memory: accuracy " in stdout and "(n = 24)" in stdout
     png = (out / "accuracy_vs_tokens.png").read_bytes()

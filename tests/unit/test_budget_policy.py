@@ -122,6 +122,41 @@ def test_log_prob_reproduces_sample(variant, greedy):
     torch.testing.assert_close(entropy, out.entropy, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("variant", LEARNED_VARIANTS)
+def test_samples_follow_the_policy_probabilities(variant):
+    """Chi-square goodness of fit: the budgets drawn for the first two slots of one query, over
+    8000 draws, against the joint law the policy's logits define: softmax of slot 0 times softmax
+    of slot 1 (given slot 0's budget for the autoregressive variant, the logits it is scored with).
+    min_budget 1, so class c must become budget c + 1. Cells expected fewer than 5 times are
+    pooled; a fixed seed keeps the test deterministic. About 1 s of CPU each."""
+    from scipy.stats import chisquare
+
+    n, min_budget = 8000, 1
+    policy = make_policy(variant, min_budget=min_budget)
+    h, keys, scores, mask = (t[:1].expand(n, *t.shape[1:]) for t in make_inputs())
+    drawn = sample(policy, (h, keys, scores, mask), seed=11).budgets
+    levels = torch.arange(min_budget, SMALL["max_budget"] + 1)
+    k = len(levels)
+    with torch.no_grad():
+        first = torch.softmax(policy.logits(h[:1], keys[:1], scores[:1], mask[:1],
+                                            prev_budgets=torch.zeros(1, Z, dtype=torch.long) + min_budget)[0, 0], -1)
+        prev = torch.zeros(k, Z, dtype=torch.long) + min_budget
+        prev[:, 0] = levels  # slot 1 given each possible budget of slot 0
+        second = torch.softmax(policy.logits(h[:k], keys[:k], scores[:k], mask[:k], prev_budgets=prev)[:, 1], -1)
+    expected = n * (first[:, None] * second).double().reshape(-1)  # cell (b0, b1) -> index k * c0 + c1
+    cells = (drawn[:, 0] - min_budget) * k + (drawn[:, 1] - min_budget)
+    counts = torch.bincount(cells, minlength=k * k).double()
+    assert counts.sum() == n and (drawn[:, :2] >= min_budget).all()
+    big = expected >= 5
+    obs, exp = counts[big], expected[big]
+    if not bool(big.all()):  # the rare cells pooled into one
+        obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    assert int(big.sum()) >= 10, "the test needs a spread distribution to have power"
+    stat, p_value = chisquare(obs.numpy(), exp.numpy() * (n / float(exp.sum())))  # sums equal up to rounding
+    assert p_value > 1e-3, f"{variant}: budgets are not drawn from softmax(logits): chi2={stat:.1f}, " \
+                           f"{len(obs) - 1} dof, p={p_value:.2g}"
+
+
 @pytest.mark.parametrize("value", [None, float("nan"), float("inf")])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_masked_slots_do_not_leak(variant, value):

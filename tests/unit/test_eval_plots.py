@@ -5,8 +5,9 @@ Run with::
     OMP_NUM_THREADS=1 pytest tests/unit/test_eval_plots.py
 
 Every plot is drawn from saved outputs written here (predictions.jsonl, metrics.jsonl,
-results.json) and must be a real PNG of more than 1 KB; the reports must hold the numbers
-worked out by hand in the comments.
+results.json), saved as a PNG, and must show those outputs: the drawn arrays (image, bars,
+points, lines) are compared with values worked out from the formulas that wrote the files.
+The reports must hold the numbers worked out by hand in the comments.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from elasticmem.eval import plots, report, stats
@@ -23,9 +25,45 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def assert_png(path: Path) -> None:
-    data = Path(path).read_bytes()
-    assert data[:8] == PNG
-    assert len(data) > 1024
+    assert Path(path).read_bytes()[:8] == PNG
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> dict[str, object]:
+    """{file name: figure} of every plot saved (and still written) during the test."""
+    figures, real = {}, plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.setdefault(Path(path).name, fig) and real(fig, path))
+    return figures
+
+
+def memories() -> list[tuple[int, int, float]]:
+    """(rank, budget, score) of each retrieved memory, as the ``predictions`` fixture writes them."""
+    return [(j, max(0, 6 - j - i % 3), 0.9 - 0.1 * j - 0.001 * i) for i in range(40) for j in range(5)]
+
+
+def check_budget_figures(drawn: dict, heat: str, scatter: str, hist: str) -> None:
+    """The heat map, scatter and histogram show the fixture's budgets, ranks and scores."""
+    mems = memories()
+    # heat map: image[b, r] = number of memories at rank r given budget b; white line: mean budget per rank
+    (ax, _) = drawn[heat].axes
+    want = np.zeros((7, 5), dtype=int)
+    for r, b, _ in mems:
+        want[b, r] += 1
+    assert np.array_equal(np.asarray(ax.get_images()[0].get_array()), want)
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [0, 1, 2, 3, 4]
+    assert list(line.get_ydata()) == pytest.approx([sum(b for r, b, _ in mems if r == k) / 40 for k in range(5)])
+    # scatter: x = score, y = budget + jitter of at most 0.15, colour = rank
+    (ax, _) = drawn[scatter].axes
+    points = ax.collections[0]
+    xy = np.asarray(points.get_offsets())
+    assert list(xy[:, 0]) == pytest.approx([s for _, _, s in mems])
+    assert np.abs(xy[:, 1] - [b for _, b, _ in mems]).max() <= 0.15
+    assert list(points.get_array()) == [r for r, _, _ in mems]
+    # histogram: one bar per budget value, its height the number of memories given it
+    (ax,) = drawn[hist].axes
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == [sum(b == v for _, b, _ in mems) for v in range(7)]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +106,11 @@ def results(acc: float, tok: float, **kw) -> dict:
 # --------------------------------------------------------------------------- plots
 
 
-def test_budget_plots(predictions, tmp_path):
+def test_budget_plots(predictions, tmp_path, drawn):
     assert_png(plots.budget_by_rank(predictions, tmp_path / "heat.png"))
     assert_png(plots.budget_vs_score(predictions, tmp_path / "scatter.png"))
     assert_png(plots.budget_histogram(plots.load_records(predictions), tmp_path / "hist.png"))  # loaded records
+    check_budget_figures(drawn, "heat.png", "scatter.png", "hist.png")
 
 
 def test_rank_budget_score_rows(predictions):
@@ -88,10 +127,26 @@ def test_budget_plots_refuse_records_without_budgets(tmp_path):
         plots.budget_histogram(text_rag, tmp_path / "x.png")
 
 
-def test_learning_curves(run_dir):
+def check_learning_curves(fig) -> None:
+    """The ``run_dir`` fixture's steps 1..30 drawn raw (the faint first line of each panel):
+    reward s / 30, accuracy s / 30 with the greedy evaluations at steps 15 and 30 (s / 40),
+    B_mem 40 - s, loss 1 / s."""
+    steps = list(range(1, 31))
+    axes = {ax.get_title().split(" (")[0]: ax for ax in fig.axes}
+    for title, value in (("reward", lambda s: s / 30), ("accuracy", lambda s: s / 30),
+                         ("mean B_mem", lambda s: 40 - s), ("loss", lambda s: 1 / s)):
+        raw = axes[title].get_lines()[0]
+        assert list(raw.get_xdata()) == steps, title
+        assert list(raw.get_ydata()) == pytest.approx([value(s) for s in steps]), title
+    (greedy,) = [line for line in axes["accuracy"].get_lines() if line.get_label() == "greedy eval"]
+    assert list(greedy.get_xdata()) == [15, 30] and list(greedy.get_ydata()) == pytest.approx([15 / 40, 30 / 40])
+
+
+def test_learning_curves(run_dir, drawn):
     out = plots.learning_curves(run_dir)
     assert out == run_dir / "learning_curves.png"
     assert_png(out)
+    check_learning_curves(drawn["learning_curves.png"])
     train, evals = plots.read_metrics(run_dir / "metrics.jsonl")
     assert len(train) == 30 and [e["step"] for e in evals] == [15, 30]
 
@@ -115,15 +170,26 @@ def test_learning_curves_draw_each_warmup_stage_apart(tmp_path, monkeypatch):
     assert {line.get_label() for line in axes["mean B_mem"].get_lines()} >= {"memory_tokens (answer)"}
 
 
-def test_accuracy_vs_tokens(tmp_path):
+def check_points(fig, want: dict[str, tuple[float, float]]) -> None:
+    """One labelled point (#Tok, accuracy) per system, in the order given."""
+    (ax,) = fig.axes
+    points = np.concatenate([np.asarray(c.get_offsets()) for c in ax.collections])
+    np.testing.assert_allclose(points, np.array(list(want.values()), dtype=float))
+    assert [t.get_text() for t in ax.texts] == list(want)
+
+
+def test_accuracy_vs_tokens(tmp_path, drawn):
     out = plots.accuracy_vs_tokens({"ElasticMem": results(0.7, 300), "text-RAG": results(0.6, 2500),
                                     "no memory": results(0.4, 120)}, tmp_path / "cmp.png")
     assert_png(out)
+    check_points(drawn["cmp.png"], {"ElasticMem": (300, 0.7), "text-RAG": (2500, 0.6), "no memory": (120, 0.4)})
+    assert drawn["cmp.png"].axes[0].get_xscale() == "log"  # 2500 / 120 > 10
 
 
-def test_cli(run_dir, predictions, tmp_path):
+def test_cli(run_dir, predictions, tmp_path, drawn):
     assert plots.main(["learning-curves", str(run_dir), "--out", str(tmp_path / "lc.png")]) == 0
     assert_png(tmp_path / "lc.png")
+    check_learning_curves(drawn["lc.png"])
     paths = []
     for name, (acc, tok) in {"a": (0.5, 100), "b": (0.6, 200)}.items():
         (tmp_path / name).mkdir()
@@ -131,9 +197,12 @@ def test_cli(run_dir, predictions, tmp_path):
         paths.append(str(tmp_path / name / "results.json"))
     assert plots.main(["compare", *paths, "--out", str(tmp_path / "cmp.png")]) == 0
     assert_png(tmp_path / "cmp.png")
+    check_points(drawn["cmp.png"], {"a": (100, 0.5), "b": (200, 0.6)})
+    assert drawn["cmp.png"].axes[0].get_xscale() == "linear"  # 200 / 100 < 10
     assert plots.main(["budgets", str(predictions), "--out-dir", str(tmp_path / "b")]) == 0
     for name in ("budget_by_rank.png", "budget_vs_score.png", "budget_histogram.png"):
         assert_png(tmp_path / "b" / name)
+    check_budget_figures(drawn, "budget_by_rank.png", "budget_vs_score.png", "budget_histogram.png")
 
 
 # --------------------------------------------------------------------------- reports

@@ -21,6 +21,7 @@ from conftest import make_examples
 
 from elasticmem.data.schema import Turn
 from elasticmem.eval.retrieval import evidence_rows, random_recall, recall_at_k
+from elasticmem.eval.stats import wilson_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,8 +256,9 @@ def test_benchmark_core_smoke(tiny_setup):
             if name == "random":
                 assert r[f"ci_any@{k}"] is None
             else:
-                lo, hi = r[f"ci_any@{k}"]
-                assert 0 <= lo <= v <= hi <= 1 and r[f"hits_any@{k}"] == round(v * 8)
+                hits = r[f"hits_any@{k}"]
+                assert hits == round(v * 8) and v == pytest.approx(hits / 8)
+                assert r[f"ci_any@{k}"] == pytest.approx(list(wilson_interval(hits, 8)))  # the interval of its count
         assert r["recall_any@4"] >= r["recall_any@2"] >= r["recall_any@1"]
     # the untrained adapter (LoRA B = 0) does not change the state: query_only is frozen
     assert {k: v for k, v in res["modes"]["query_only"].items() if k != "seconds"} == \

@@ -16,7 +16,7 @@ the training query states and of the training keys). Kinds:
 With ``residual`` (the default) a net computes ``x + net(x)`` and its last layer starts at
 zero, so training starts from the standardisation and learns a correction (d_out = d). On
 LoCoMo, maps trained from scratch on the 883 training pairs end below the standardisation
-alone; residual ones end well above it (README, "The model").
+alone; residual ones end well above it (docs/experiments/2026-12-01-retrieval-keys-maps.md).
 
 Training (``linear``, ``mlp``): InfoNCE over (question state, evidence chunk) pairs of the
 training split's questions: per question, the softmax of ``cos / temperature`` over every chunk

@@ -138,7 +138,7 @@ def measure(cfg, examples: Sequence, modes: Sequence[str] = MODES, ks: Sequence[
     if maps:
         from pathlib import Path
 
-        from elasticmem.warmup.retrieval_map import load_retrieval_map
+        from elasticmem.model.retrieval_map import load_retrieval_map
 
         runs += [(load_retrieval_map(p)[1]["retrieval"], None, p) for p in maps]
     for mode, ckpt, rmap in runs:

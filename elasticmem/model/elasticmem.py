@@ -222,7 +222,7 @@ class ElasticMem(nn.Module):
         self.index = index if index is not None else build_index(bank, IndexConfig(type="torch"))
         self.mapped_index = None  # memory.retrieval_map: f_q(h) against f_k(keys), exact search
         if cfg.retrieval_map and searches:
-            from elasticmem.warmup.retrieval_map import MappedIndex, check_retrieval_map, load_retrieval_map
+            from elasticmem.model.retrieval_map import MappedIndex, check_retrieval_map, load_retrieval_map
 
             if cfg.retrieval in ("semantic", "recent"):
                 raise ValueError(f"memory.retrieval_map maps the model's own states; retrieval={cfg.retrieval} has none")
@@ -618,7 +618,6 @@ class ElasticMem(nn.Module):
 
     # ------------------------------------------------------------------ public API
 
-    @torch.no_grad()
     @torch.no_grad()
     def query_states(self, batch: Sequence[Example], greedy: bool = True) -> torch.Tensor:
         """Step 1 only: each example's query state h [B, d_h] (the retrieval mode's; ``greedy``: from

@@ -23,7 +23,8 @@ from elasticmem.data.schema import write_examples
 from elasticmem.model.budget_policy import BudgetPolicyConfig
 from elasticmem.model.elasticmem import ElasticMem
 from elasticmem.model.projector import ProjectorConfig
-from elasticmem.warmup.retrieval_map import MapTrainConfig, RetrievalMapError, info_nce, load_retrieval_map, train_map
+from elasticmem.model.retrieval_map import RetrievalMapError, load_retrieval_map
+from elasticmem.warmup.retrieval_map import MapTrainConfig, info_nce, train_map
 from elasticmem.warmup.retrieval_map import main as map_main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -164,7 +164,7 @@ from elasticmem.bank.index import TorchIndex
 from elasticmem.config import Config, TinyModelConfig, load_config
 from elasticmem.data.schema import Example, load_split
 from elasticmem.data.synthetic import write_synthetic
-from elasticmem.grpo.rewards import mc_letter_reward
+from elasticmem.data.rewards import mc_letter_reward
 from elasticmem.grpo.trainer import QuerySampler
 from elasticmem.model.elasticmem import format_options
 

@@ -102,7 +102,7 @@ def _tiny_words(vocabulary: str = "synthetic") -> list[str]:
 
     words = ["User", "Assistant", "user", "assistant", "system", *VOCABULARY]
     if vocabulary == "alfworld":
-        from elasticmem.agent.vocabulary import ALFWORLD_WORDS
+        from elasticmem.data.alfworld_vocabulary import ALFWORLD_WORDS
 
         words += ALFWORLD_WORDS
     elif vocabulary != "synthetic":
@@ -117,7 +117,7 @@ def build_tiny_tokenizer(char_fallback: bool = True, vocabulary: str = "syntheti
     embedding of "\\n"); spaces are dropped. With ``char_fallback`` any ASCII text
     tokenizes without <unk> (an unknown word falls back to characters); without
     it the vocabulary is the task words and punctuation only. ``vocabulary``
-    'alfworld' adds ALFWorld's words (``elasticmem.agent.vocabulary``) after the
+    'alfworld' adds ALFWorld's words (``elasticmem.data.alfworld_vocabulary``) after the
     synthetic task's, which keep their ids.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers

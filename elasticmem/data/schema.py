@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-SPLITS = ("train", "val", "test")
+from elasticmem.config import SPLITS  # noqa: F401  (re-exported: the splits are a setting's vocabulary)
 
 
 class SchemaError(ValueError):

@@ -45,16 +45,17 @@ import json
 import os
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+# The knobs (SyntheticConfig) and the limits they are checked against live on the ground floor.
+from elasticmem.config import SPLITS, SyntheticConfig
+from elasticmem.config import synthetic_fact_types as _fact_types
 from elasticmem.data.chunking import chunk_history
-from elasticmem.data.schema import SPLITS, Example, Turn, write_examples
-from elasticmem.utils.common import require as _require
+from elasticmem.data.schema import Example, Turn, write_examples
 
-QUESTION_TYPES = ("single_hop", "multi_hop", "knowledge_update")
 TINY_QUESTION_TYPE = "recall"
 SOURCE = "synthetic"
 
@@ -383,107 +384,22 @@ VOCABULARY: tuple[str, ...] = TINY_FIXED_WORDS + OPTION_LETTERS + TINY_KEYS
 TINY_WORDS = VOCABULARY
 
 
-@dataclass
-class SyntheticConfig:
-    """Knobs of the synthetic memory task (see elasticmem.data.synthetic)."""
+def _check_limits() -> None:
+    """elasticmem.config checks SyntheticConfig against these tables' sizes, written there as
+    numbers: refuse to run with tables that no longer match them."""
+    from elasticmem import config as C
 
-    variant: Literal["persona", "tiny"] = "persona"
-    """'persona': realistic multi-session chats with single_hop, multi_hop and
-    knowledge_update questions. 'tiny': one session of "{letter} {key}" turns and
-    "recall {key}" questions, small enough for a tiny random model to learn by RL."""
-    num_histories: int = 60
-    """Histories (bank groups) generated over all splits together."""
-    split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
-    """Train/val/test fractions of the histories; the split is by history, so no
-    history is shared across splits."""
-    num_sessions: int = 4
-    """Sessions per history (persona variant; tiny always has one)."""
-    num_facts: int = 6
-    """Facts per history, one question each (tiny: turns per history, 4..8 works well)."""
-    num_distractors: int = 3
-    """Lexically similar distractor chunks per fact (persona variant); their values are
-    the wrong options, so it must be >= num_options - 1."""
-    num_filler: int = 4
-    """Unrelated small-talk turn pairs per history (persona variant)."""
-    num_options: Literal[4, 10] = 4
-    """Answer options per question (MC-4 or MC-10)."""
-    question_types: list[str] = field(default_factory=lambda: list(QUESTION_TYPES))
-    """Question types of the persona variant; the facts of a history cycle through them."""
-    num_keys: int = 16
-    """Tiny variant: size of the key vocabulary (at most the number of built-in keys, 24)."""
-    assistant_replies: Literal["engaged", "acknowledge"] = "engaged"
-    """Persona variant: how the assistant answers a user turn. 'engaged': as in real
-    dialogue (LoCoMo) it names the value and asks about the attribute ("Pepper, what a
-    cute name! What is special about this dog? Tell me more."), the person or the small
-    talk, in varied templates, so a chunk's bank key (its last state) carries its topic.
-    'acknowledge': a reply from a short fixed list ("Got it, I will keep that in
-    mind."), the style before issue 12, whose keys encode the acknowledgement. The
-    user turns, their order, the dates and the questions are the same in both styles."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first setting that cannot work."""
-        _require(self.variant in ("persona", "tiny"),
-                 f"variant must be 'persona' or 'tiny', got {self.variant!r}")
-        _require(self.assistant_replies in ("engaged", "acknowledge"),
-                 f"assistant_replies must be 'engaged' or 'acknowledge', got {self.assistant_replies!r}")
-        _require(self.num_options in (4, 10), f"num_options must be 4 or 10, got {self.num_options!r}")
-        _require(self.num_histories >= 1, f"num_histories must be >= 1, got {self.num_histories}")
-        _require(len(self.split_fractions) == len(SPLITS),
-                 f"split_fractions needs {len(SPLITS)} numbers ({'/'.join(SPLITS)}), "
-                 f"got {self.split_fractions}")
-        _require(all(f >= 0 for f in self.split_fractions),
-                 f"split_fractions must be >= 0, got {self.split_fractions}")
-        _require(abs(sum(self.split_fractions) - 1.0) < 1e-6,
-                 f"split_fractions must sum to 1, got {self.split_fractions} "
-                 f"(sum {sum(self.split_fractions):g})")
-        _require(self.num_facts >= 1, f"num_facts must be >= 1, got {self.num_facts}")
-        if self.variant == "tiny":
-            self._validate_tiny()
-        else:
-            self._validate_persona()
-
-    def _validate_tiny(self) -> None:
-        _require(1 <= self.num_keys <= len(TINY_KEYS),
-                 f"num_keys must be in 1..{len(TINY_KEYS)} (the built-in keys), got {self.num_keys}")
-        _require(self.num_facts <= self.num_keys,
-                 f"num_facts ({self.num_facts}) must be <= num_keys ({self.num_keys}): "
-                 "each turn of a tiny history needs its own key")
-
-    def _validate_persona(self) -> None:
-        unknown = [t for t in self.question_types if t not in QUESTION_TYPES]
-        _require(not unknown, f"unknown question type(s) {unknown}; valid: {list(QUESTION_TYPES)}")
-        _require(len(self.question_types) >= 1, f"question_types must not be empty; valid: {list(QUESTION_TYPES)}")
-        _require(self.num_distractors >= self.num_options - 1,
-                 f"num_distractors ({self.num_distractors}) must be >= num_options - 1 "
-                 f"({self.num_options - 1}) so every wrong option appears in the history")
-        _require(self.num_facts <= len(PERSONA_CATEGORIES),
-                 f"num_facts ({self.num_facts}) must be <= {len(PERSONA_CATEGORIES)}, the number of "
-                 "fact categories: one category per fact keeps every question unambiguous")
-        pool = min(len(c.values) for c in PERSONA_CATEGORIES)
-        _require(self.num_distractors + 2 <= pool,
-                 f"num_distractors ({self.num_distractors}) must be <= {pool - 2}: a fact needs "
-                 f"num_distractors + 2 distinct values and the smallest value pool has {pool}")
-        _require(self.num_sessions >= 1, f"num_sessions must be >= 1, got {self.num_sessions}")
-        types = _fact_types(self.question_types, self.num_facts)
-        _require("knowledge_update" not in types or self.num_sessions >= 2,
-                 "knowledge_update needs num_sessions >= 2 (the old value goes in an earlier session)")
-        people = types.count("multi_hop") * (self.num_distractors + 1)
-        _require(people <= min(len(RELATIONS), len(PERSON_NAMES)),
-                 f"{types.count('multi_hop')} multi_hop facts x (num_distractors + 1) = {people} linked "
-                 f"people, more than the {min(len(RELATIONS), len(PERSON_NAMES))} distinct relations "
-                 "available; lower num_distractors or num_facts, or drop multi_hop")
-        _require(self.num_distractors <= len(RELATIONS),
-                 f"num_distractors ({self.num_distractors}) must be <= {len(RELATIONS)} (relations)")
-        _require(0 <= self.num_filler <= len(FILLER),
-                 f"num_filler must be in 0..{len(FILLER)}, got {self.num_filler}")
+    sizes = {"SYNTHETIC_TINY_KEYS": len(TINY_KEYS), "SYNTHETIC_CATEGORIES": len(PERSONA_CATEGORIES),
+             "SYNTHETIC_VALUE_POOL": min(len(c.values) for c in PERSONA_CATEGORIES),
+             "SYNTHETIC_RELATIONS": len(RELATIONS), "SYNTHETIC_PERSON_NAMES": len(PERSON_NAMES),
+             "SYNTHETIC_FILLER": len(FILLER)}
+    wrong = {k: (getattr(C, k), v) for k, v in sizes.items() if getattr(C, k) != v}
+    if wrong:
+        raise ImportError(f"elasticmem.config's synthetic limits disagree with the tables of {__name__} "
+                          f"(config, tables): {wrong}")
 
 
-
-def _fact_types(question_types: Sequence[str], num_facts: int) -> list[str]:
-    return [question_types[i % len(question_types)] for i in range(num_facts)]
+_check_limits()
 
 
 # --------------------------------------------------------------------------- building blocks

@@ -26,14 +26,24 @@ each distinct history once (no tokenizer: ~3 ms for a 600-turn LoCoMo conversati
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
+from elasticmem.config import ChunkingConfig
+from elasticmem.data.chunking import history_fingerprint
+from elasticmem.data.rewards import MAX_OPTIONS, get_reward
 from elasticmem.data.schema import Example, SchemaError
-from elasticmem.grpo.rewards import MAX_OPTIONS, get_reward
 
-if TYPE_CHECKING:
-    from elasticmem.bank.store import Bank
-    from elasticmem.config import ChunkingConfig
+
+class BankView(Protocol):
+    """What validation reads of an ``elasticmem.bank.Bank`` (the bank sits above the data layer,
+    so it is described here, not imported)."""
+
+    root: Any
+    manifest: Mapping[str, Any]
+    groups: Mapping[str, Any]
+
+    @property
+    def groups_sha256(self) -> Mapping[str, str] | None: ...
 
 MAX_LISTED = 5
 """Ids shown per reason; the rest are counted."""
@@ -90,7 +100,7 @@ class _Report:
                         + "\n".join(lines), problems)
 
 
-def _warn_unverified(bank: Bank) -> None:
+def _warn_unverified(bank: BankView) -> None:
     key = str(bank.root.resolve())
     if key in _warned_unverified:
         return
@@ -105,7 +115,7 @@ def _warn_unverified(bank: Bank) -> None:
 
 def validate_examples(
     examples: Sequence[Example],
-    bank: Bank | None = None,
+    bank: BankView | None = None,
     *,
     reward: str | None = None,
     chunking: ChunkingConfig | None = None,
@@ -137,7 +147,7 @@ def validate_examples(
     flag = report.flag
     reward_fn = get_reward(reward) if reward is not None and reward != "mc_letter" else None
     too_many = (f"more than {MAX_OPTIONS} choices: option letters a-{chr(ord('a') + MAX_OPTIONS - 1)} "
-                f"score at most {MAX_OPTIONS} (elasticmem.grpo.rewards.MAX_OPTIONS)")
+                f"score at most {MAX_OPTIONS} (elasticmem.data.rewards.MAX_OPTIONS)")
     seen: set[str] = set()
     for ex in examples:
         if ex.id in seen:
@@ -164,10 +174,9 @@ def validate_examples(
     report.raise_if_any(split_name, len(examples))
 
 
-def _check_bank(examples: Sequence[Example], bank: Bank, chunking: ChunkingConfig | None, report: _Report) -> None:
+def _check_bank(examples: Sequence[Example], bank: BankView, chunking: ChunkingConfig | None,
+                report: _Report) -> None:
     """Groups missing from the bank or whose chunks differ from it; the bank's tokenization."""
-    from elasticmem.bank.builder import history_fingerprint
-
     if chunking is not None:
         recorded = bank.manifest.get("tokenization", {})
         differ = {k: v for k, v in recorded.items() if getattr(chunking, k, v) != v}

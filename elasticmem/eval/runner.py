@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from elasticmem.data.schema import Example
 from elasticmem.eval import metrics
 from elasticmem.eval.system import MemorySystem, Prediction, fingerprint
-from elasticmem.grpo.rewards import mc_letter_reward, snapped_action_reward
+from elasticmem.data.rewards import mc_letter_reward, snapped_action_reward
 
 PART = "predictions.part-{rank}.jsonl"
 IDENTITY = "run_identity.json"
@@ -46,7 +46,7 @@ class OutputDirError(RuntimeError):
 
 
 def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
-    """MC: gold is the option letter, correct when the parsed letter matches (grpo.rewards rules).
+    """MC: gold is the option letter, correct when the parsed letter matches (data.rewards rules).
     Free form: gold is the reference text, correct on an exact match after A-Mem's normalisation;
     an agent step (``extra["admissible_commands"]``, e.g. the held-out ALFWorld imitation steps)
     is correct when the answer snapped to those commands is the expert's action (the

@@ -54,7 +54,7 @@ from elasticmem.grpo.loss import (
     retrieval_loss,
     uniform_groups,
 )
-from elasticmem.grpo.rewards import get_reward
+from elasticmem.data.rewards import get_reward
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import ConfigError
 from elasticmem.utils.configuration import save as save_config

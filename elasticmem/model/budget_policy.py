@@ -35,98 +35,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Iterator, Literal, NamedTuple, get_args
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+# The settings live on the ground floor (elasticmem.config); re-exported under their old names.
+from elasticmem.config import (  # noqa: F401
+    BUDGET_VARIANTS as VARIANTS,
+    ENCODER_BUDGET_VARIANTS as ENCODER_VARIANTS,
+    LEARNED_BUDGET_VARIANTS as LEARNED_VARIANTS,
+    BudgetPolicyConfig,
+    BudgetVariant,
+)
 from elasticmem.utils.common import require as _require
-
-BudgetVariant = Literal["transformer", "autoregressive", "mlp", "uniform", "random"]
-VARIANTS: tuple[str, ...] = get_args(BudgetVariant)
-LEARNED_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive", "mlp")
-ENCODER_VARIANTS: tuple[str, ...] = ("transformer", "autoregressive")
-
-
-
-@dataclass
-class BudgetPolicyConfig:
-    """The budget allocator: per retrieved memory, a latent budget in {min_budget..max_budget}."""
-
-    variant: BudgetVariant = "transformer"
-    """'transformer' (paper): an encoder reads the Z retrieved memories jointly. 'autoregressive'
-    (reference code): the same encoder under a causal mask, each memory also seeing the previous
-    memory's decision. 'mlp': each memory scored alone. 'uniform': every memory gets
-    uniform_budget (no parameters). 'random': budgets uniform over {min_budget..max_budget}, also
-    at evaluation (no parameters)."""
-    d_model: int = 256
-    """Width d_b of the policy network (learned variants)."""
-    num_heads: int = 4
-    """Attention heads of the encoder (transformer, autoregressive); must divide d_model."""
-    num_layers: int = 2
-    """Encoder layers (transformer, autoregressive)."""
-    dropout: float = 0.1
-    """Dropout of the encoder or MLP; active in train mode only."""
-    max_budget: int = 20
-    """B_max: the most latent tokens one memory can receive."""
-    min_budget: int = 0
-    """Smallest budget of a retrieved memory: 0 lets the policy drop a memory (paper), 1 always
-    injects at least one token (reference code)."""
-    product_feature: bool = True
-    """Include h*k_j in each memory's features (paper); the reference code omits it."""
-    features: Literal["paper", "normalized"] = "paper"
-    """'paper': [h; k_j; h*k_j; s_j] as they come. 'normalized' (a departure): h L2-normalised
-    (so h*k_j sums to the cosine s_j, and the query state, ~46x a key's norm for SmolLM2, no longer
-    drowns the per-memory parts that tell memories apart), and one more feature, the memory's
-    score standardised within its retrieved set ((s_j - mean) / std over the present memories):
-    which memory stands out, the allocation's question, readable from the first step."""
-    max_rank: int = 64
-    """Rows of the learned rank embedding; the number Z of retrieved memories must be <= this."""
-    uniform_budget: int | None = None
-    """Budget of every memory under variant 'uniform'; null = max_budget."""
-    clip_budget: int | None = None
-    """Inference-time clipping (paper appendix A.6): in greedy mode, budgets above it are lowered
-    to it. Sampling for training and the learned parameters are unchanged. null = no clipping."""
-    token_cap: int | None = None
-    """Inference-time cap on one question's latent tokens (the sum of its budgets), a cost dial
-    that needs no retraining: in greedy mode, memories keep their budgets in order of value (the
-    policy's expected budget E[b_j]; ties by rank) until the cap, the memory that crosses it is
-    trimmed to what is left and the rest get 0, so the lowest-value memories are cut first.
-    Applied after clip_budget; sampling for training is unchanged. null = no cap."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first setting that cannot work."""
-        _require(self.variant in VARIANTS, f"variant must be one of {list(VARIANTS)}, got {self.variant!r}")
-        _require(self.features in ("paper", "normalized"),
-                 f"features must be 'paper' or 'normalized', got {self.features!r}")
-        _require(0 <= self.min_budget <= self.max_budget,
-                 f"budgets need 0 <= min_budget <= max_budget, got min_budget={self.min_budget}, "
-                 f"max_budget={self.max_budget}")
-        _require(self.d_model >= 1, f"d_model must be >= 1, got {self.d_model}")
-        _require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        _require(self.max_rank >= 1, f"max_rank must be >= 1, got {self.max_rank}")
-        if self.variant in ENCODER_VARIANTS:
-            _require(self.num_layers >= 1, f"num_layers must be >= 1, got {self.num_layers}")
-            _require(self.num_heads >= 1 and self.d_model % self.num_heads == 0,
-                     f"num_heads ({self.num_heads}) must be >= 1 and divide d_model ({self.d_model})")
-        if self.uniform_budget is not None:
-            _require(self.min_budget <= self.uniform_budget <= self.max_budget,
-                     f"uniform_budget ({self.uniform_budget}) must lie in min_budget..max_budget "
-                     f"({self.min_budget}..{self.max_budget})")
-        _require(self.token_cap is None or self.token_cap >= 0, f"token_cap must be >= 0, got {self.token_cap}")
-        if self.clip_budget is not None:
-            _require(self.clip_budget >= self.min_budget,
-                     f"clip_budget ({self.clip_budget}) must be >= min_budget ({self.min_budget}): "
-                     "clipping may lower a budget, not take it out of the action space")
-
-    @property
-    def num_classes(self) -> int:
-        """K: the number of budget actions, max_budget - min_budget + 1."""
-        return self.max_budget - self.min_budget + 1
 
 
 class BudgetSample(NamedTuple):

@@ -16,39 +16,12 @@ Test with::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor, nn
 
-ProjectorVariant = Literal["mlp", "identity"]
-VARIANTS: tuple[str, ...] = get_args(ProjectorVariant)
-
-
-@dataclass
-class ProjectorConfig:
-    """Maps cached hidden states of retrieved memories to soft input tokens."""
-
-    variant: ProjectorVariant = "mlp"
-    """'mlp': Linear(d, d_p) -> GELU -> Dropout -> Linear(d_p, d) -> LayerNorm(d) (paper).
-    'identity': inject the cached states as they are (ablation, no parameters)."""
-    hidden_size: int = 2560
-    """d_p, the inner width of the mlp projector (reference code: 2560)."""
-    dropout: float = 0.1
-    """Dropout between the two linear layers; active in train mode only."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first setting that cannot work."""
-        if self.variant not in VARIANTS:
-            raise ValueError(f"projector variant must be one of {list(VARIANTS)}, got {self.variant!r}")
-        if self.hidden_size < 1:
-            raise ValueError(f"projector hidden_size must be >= 1, got {self.hidden_size}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"projector dropout must be in [0, 1), got {self.dropout}")
+# The settings live on the ground floor (elasticmem.config); re-exported under their old names.
+from elasticmem.config import PROJECTOR_VARIANTS as VARIANTS  # noqa: F401
+from elasticmem.config import ProjectorConfig, ProjectorVariant  # noqa: F401
 
 
 class Projector(nn.Module):

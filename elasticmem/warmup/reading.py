@@ -56,7 +56,7 @@ def option_target(tokenizer, eos_ids: Sequence[int], example: Example, max_new_t
     end-of-turn token; ValueError when that does not fit. 'answer': the example's
     ``answer_text`` (free-form answers, an expert's action) then the end-of-turn token;
     ValueError when that does not fit."""
-    from elasticmem.grpo.rewards import mc_letter_reward
+    from elasticmem.data.rewards import mc_letter_reward
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids[0]
     if target == "answer":
@@ -123,7 +123,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     from elasticmem.data.validate import validate_examples
     from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.grpo.loss import retrieval_loss
-    from elasticmem.grpo.rewards import get_reward
+    from elasticmem.data.rewards import get_reward
     from elasticmem.grpo.trainer import _RetrievalTargets, _StopFlag, _truncate_jsonl, greedy_eval
     from elasticmem.model.elasticmem import ElasticMem
     from elasticmem.utils import checkpointing as ckpt

@@ -46,7 +46,7 @@ def test_amem_smollm2_on_first_turns_of_a_locomo_conversation(smollm2_backbone, 
     from elasticmem.baselines.amem.memory import AgenticMemory
     from elasticmem.data.locomo import mc10_examples, qa_example, read_locomo
     from elasticmem.data.sources import SkipLog
-    from elasticmem.grpo.rewards import parse_option_letter
+    from elasticmem.data.rewards import parse_option_letter
 
     convs = read_locomo(LOCOMO, SkipLog())
     conv = convs[0]

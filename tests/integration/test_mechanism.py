@@ -103,7 +103,7 @@ def _greedy(model, examples, batch_size=32):
     """Accuracy, the mean budget of evidence / other retrieved memories, and the share of answers
     that hold an option letter (greedy)."""
     from elasticmem.eval.retrieval import evidence_rows
-    from elasticmem.grpo.rewards import mc_letter_reward, parse_option_letter
+    from elasticmem.data.rewards import mc_letter_reward, parse_option_letter
 
     correct, ev_b, other_b, valid = [], [], [], []
     for i in range(0, len(examples), batch_size):

@@ -191,7 +191,7 @@ def test_mem0_and_langmem_on_smollm2_behind_a_real_endpoint_on_two_locomo_sessio
     from elasticmem.baselines.textmem import LangMemSystem, Mem0System
     from elasticmem.data.locomo import mc10_examples, read_locomo
     from elasticmem.data.sources import SkipLog
-    from elasticmem.grpo.rewards import parse_option_letter
+    from elasticmem.data.rewards import parse_option_letter
 
     server = ServerThread(load_endpoint("smollm2", backbone=smollm2_backbone))  # real uvicorn, real HTTP
     try:

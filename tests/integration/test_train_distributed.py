@@ -56,7 +56,7 @@ def _independent(root: Path, ckpt: Path, rec: Path, step: int, overrides: tuple[
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem_loss, group_advantages
-    from elasticmem.grpo.rewards import mc_letter_reward
+    from elasticmem.data.rewards import mc_letter_reward
     from elasticmem.model.elasticmem import ElasticMem, Trajectories
 
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={root}/data", f"bank.dir={root}/bank", *overrides])

@@ -15,7 +15,7 @@ import pytest
 from elasticmem.agent import imitation as I
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import load_split
-from elasticmem.grpo.rewards import snapped_action_reward
+from elasticmem.data.rewards import snapped_action_reward
 from elasticmem.model.elasticmem import format_suffix
 
 

@@ -1,4 +1,4 @@
-"""Tests of the answer rewards (elasticmem.grpo.rewards).
+"""Tests of the answer rewards (elasticmem.data.rewards).
 
 Run with::
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from elasticmem.data.schema import Example, Turn
-from elasticmem.grpo.rewards import (
+from elasticmem.data.rewards import (
     REWARDS,
     get_reward,
     mc_letter_reward,

@@ -17,7 +17,7 @@ from elasticmem.bank import Bank, build_bank
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.schema import SchemaError, Turn
 from elasticmem.data.validate import DataError, validate_examples
-from elasticmem.grpo.rewards import MAX_OPTIONS
+from elasticmem.data.rewards import MAX_OPTIONS
 
 CHUNKING = ChunkingConfig(max_tokens=48)
 

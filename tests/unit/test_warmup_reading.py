@@ -60,7 +60,7 @@ def test_teacher_forced_log_probs_equal_one_plain_forward_over_the_tokens(bank):
 
 
 def test_option_target_parses_back_to_the_gold_letter(bank):
-    from elasticmem.grpo.rewards import mc_letter_reward
+    from elasticmem.data.rewards import mc_letter_reward
 
     bank, examples = bank
     model = make_model(bank)
@@ -83,7 +83,7 @@ def test_answer_target_is_the_answer_text_then_the_end_of_turn(bank):
     then the end of turn; refused when it does not fit or there is none."""
     import dataclasses
 
-    from elasticmem.grpo.rewards import get_reward
+    from elasticmem.data.rewards import get_reward
 
     bank, examples = bank
     model = make_model(bank)

@@ -5,31 +5,13 @@ and context, link generation, memory evolution and link-following retrieval. See
     system = AMemSystem(AMemConfig())            # SmolLM2 + MiniLM, offline
     predictions = system.predict(examples)       # elasticmem.eval.system.MemorySystem
 
-LoCoMo command: ``python -m elasticmem.baselines.amem.run_locomo --help``.
-
-Only the config is imported eagerly: ``elasticmem.config`` imports ``AMemConfig``, and loading a
-config must not pull in torch, transformers and faiss.
+LoCoMo command: ``python -m elasticmem.baselines.amem.run_locomo --help``. The settings
+(``AMemConfig``) live in ``elasticmem.config``, so loading a config does not load this package.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
-
-_LAZY = {
-    "AMemSystem": "elasticmem.baselines.amem.system",
-    "AgenticMemory": "elasticmem.baselines.amem.memory",
-    "build_memories": "elasticmem.baselines.amem.memory",
-    "MemoryItem": "elasticmem.baselines.amem.notes",
-    "Note": "elasticmem.baselines.amem.notes",
-}
+from elasticmem.baselines.amem.memory import AgenticMemory, build_memories
+from elasticmem.baselines.amem.notes import MemoryItem, Note
+from elasticmem.baselines.amem.system import AMemSystem
+from elasticmem.config import AMemConfig, AMemLLMConfig
 
 __all__ = ["AMemConfig", "AMemLLMConfig", "AMemSystem", "AgenticMemory", "MemoryItem", "Note", "build_memories"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@
 then answers every example with its retrieved notes in the prompt:
 
 * multiple choice (``choices`` non-empty): options listed as ``(a) ...``, the answer is the
-  letter (max ``mc_max_new_tokens`` tokens; parse it with ``grpo.rewards.parse_option_letter``);
+  letter (max ``mc_max_new_tokens`` tokens; parse it with ``data.rewards.parse_option_letter``);
 * free form (``choices == []``): a short phrase, or ``cfg.not_answerable`` when the notes do not
   hold the answer (LoCoMo's adversarial questions expect exactly that behaviour).
 

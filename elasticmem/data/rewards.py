@@ -1,4 +1,7 @@
-"""Rewards of one generated answer (DESIGN.md section 1, item 6).
+"""Rewards of one generated answer (DESIGN.md section 1, item 6): how a task scores an answer.
+
+They belong to the data layer, next to the examples they score: data validation, evaluation,
+the agent episodes and GRPO all use them, and nothing in them is GRPO's.
 
 Every reward is a plain function ``(prediction: str, example: Example) -> float``
 registered in ``REWARDS`` under the name a config uses:

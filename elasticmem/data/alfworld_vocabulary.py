@@ -5,7 +5,8 @@ that commands, observations and objectives tokenize as words rather than ``<unk>
 object and receptacle types of ALFWorld (``alfworld.gen.constants`` OBJECTS and RECEPTACLES,
 lower-cased as the text engine writes them), the words of its commands, feedback and goal
 sentences, instance numbers, and the step prompt's own words (``imitation.ALFWORLD_SUFFIX``).
-Written out here so the tokenizer does not need the engine installed.
+Written out here so the tokenizer does not need the engine installed; it sits in the data layer,
+below the backbone that reads it (the agent package, above both, uses it through the tokenizer).
 """
 
 from __future__ import annotations

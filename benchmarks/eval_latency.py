@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from elasticmem.config import Config
     from elasticmem.data.schema import load_split
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
     from elasticmem.utils.configuration import load
 
     ov = [f"eval.{o}" if o.split("=", 1)[0] in ("checkpoint", "split") else o for o in args.overrides]

@@ -92,7 +92,7 @@ def _model(cfg, mode: str, top_z: int, checkpoint: str | None, retrieval_map: st
     (and the learned map ``retrieval_map``)."""
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_index
-    from elasticmem.eval.systems import memory_config
+    from elasticmem.systems import memory_config
     from elasticmem.model.elasticmem import ElasticMem
 
     backbone = load_backbone(cfg.model)

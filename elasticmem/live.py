@@ -125,7 +125,7 @@ class LiveMemory:
                  encode_batch_size: int = 16, answerer=None):
         """``model``: an ``ElasticMem`` in eval mode; ``batch_size``: questions per forward pass;
         ``answerer``: the ``ElasticMemSystem`` over it, when the caller has one (``load``)."""
-        from elasticmem.eval.systems import ElasticMemSystem
+        from elasticmem.systems import ElasticMemSystem
 
         self.model = model
         self.system = system
@@ -153,7 +153,7 @@ class LiveMemory:
         import torch
 
         from elasticmem.config import Config
-        from elasticmem.eval.systems import SYSTEM_MEMORY, build_system
+        from elasticmem.systems import SYSTEM_MEMORY, build_system
         from elasticmem.utils.configuration import ConfigError
         from elasticmem.utils.configuration import load as load_config
 

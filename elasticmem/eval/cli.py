@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from elasticmem.data.validate import validate_examples
     from elasticmem.eval.runner import OutputDirError, evaluate
     from elasticmem.eval.streaming import stream_bank_dir, stream_order
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
     from elasticmem.utils.configuration import load
     from elasticmem.utils.distributed import process_state
 

@@ -124,7 +124,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.grpo.loss import retrieval_loss
     from elasticmem.data.rewards import get_reward
-    from elasticmem.grpo.trainer import _RetrievalTargets, _StopFlag, _truncate_jsonl, greedy_eval
+    from elasticmem.training.runtime import OneProcess, RetrievalTargets, StopFlag, greedy_eval, truncate_jsonl
     from elasticmem.model.elasticmem import ElasticMem
     from elasticmem.utils import checkpointing as ckpt
     from elasticmem.utils.configuration import save as save_config
@@ -158,7 +158,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     if cfg.train.gradient_checkpointing:  # one process, no DeepSpeed: the non-reentrant variant
         model.enable_activation_checkpointing()
     if w.init_from:
-        from elasticmem.grpo.trainer import check_init
+        from elasticmem.training.runtime import check_init
 
         check_init(w.init_from, model)
         model.load_weights(w.init_from)
@@ -209,7 +209,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
         state = ckpt.read_trainer_state(resume, optimizer, scheduler)
         gen.set_state(load_file(str(resume / "generator.safetensors"))["state"])
         ckpt.load_rng(resume, 0)
-        _truncate_jsonl(metrics_path, pre + state["answer_step"])
+        truncate_jsonl(metrics_path, pre + state["answer_step"])
         print(f"[warmup] resumed from {resume} (answer step {state['answer_step']} of {w.steps})", file=sys.stderr)
     else:  # the projector-only stages are done: never repeated
         _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre)
@@ -217,7 +217,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     first = state["answer_step"]
     bar = tqdm(range(first + 1, w.steps + 1), desc="warm-up (answers)", unit="step", file=sys.stderr,
                initial=first, total=w.steps)
-    with _StopFlag() as stop:
+    with StopFlag() as stop:
         for step in bar:
             if len(order) < w.batch_size:  # epochs of a seeded permutation
                 order += torch.randperm(len(examples), generator=gen).tolist()
@@ -237,7 +237,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
             m: dict[str, Any] = {"step": pre + step, "stage": "answer",
                                  "top_z": model.cfg.top_z, "loss/answer": float(loss.detach())}
             if w.retrieval_weight > 0:
-                aux = _RetrievalTargets(bank, traj, evidence, _OneProcess())
+                aux = RetrievalTargets(bank, traj, evidence, OneProcess())
                 r_loss, _ = retrieval_loss(o.query_state, *aux.select(list(range(len(traj))), model.device),
                                            cfg.train.loss.retrieval_temperature, aux.count)
                 loss = loss + w.retrieval_weight * r_loss
@@ -292,7 +292,7 @@ activation checkpointing, which changes memory, not results)."""
 def _resumable(cfg: Config, out: Path) -> Path | None:
     """The newest checkpoint of an interrupted warm-up in ``out``, or None to start afresh;
     refuses one written with other settings."""
-    from elasticmem.grpo.trainer import config_changes, mixed_runs_error
+    from elasticmem.training.runtime import config_changes, mixed_runs_error
     from elasticmem.utils import checkpointing as ckpt
     from elasticmem.utils.configuration import load
 
@@ -467,13 +467,6 @@ def _budget_supervision(model, traj, batch: Sequence[Example], evidence: dict[st
              "budget/evidence": float(chosen[ev].float().mean()) if ev.any() else float("nan"),
              "budget/other": float(chosen[other].float().mean()) if other.any() else float("nan")}
     return loss, m
-
-
-class _OneProcess:
-    """The slice of an Accelerator that ``_RetrievalTargets`` reads, for this one-process stage."""
-
-    num_processes = 1
-    device = torch.device("cpu")
 
 
 def _token_accuracy(logp_answer: torch.Tensor, answer_mask: torch.Tensor) -> float:

@@ -308,7 +308,7 @@ def test_training_warmup_and_evaluation_search_on_the_models_device(tiny_task, t
     backbone.device)``), not on the CPU while the model sits on a GPU. In the CPU dry run the model's
     device is the CPU: there it checks that the three paths run and search where the model is."""
     from elasticmem.bank import index as index_mod
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
     from elasticmem.grpo.trainer import train
     from elasticmem.warmup.reading import warmup
 

@@ -120,7 +120,7 @@ def test_each_episode_of_two_processes_replays_in_one_and_its_tokens_are_the_sum
     tokens are their sum: the 2-process evaluation played each game as one process does."""
     from elasticmem.agent.episodes import step_example
     from elasticmem.agent.imitation import step_fields
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
 
     root, out = setup
     (rec,) = [r for r in _records(out / "elasticmem" / "predictions.jsonl") if r["id"].startswith(split)]

@@ -182,7 +182,7 @@ def test_interrupted_evaluation_resumes_and_writes_each_example_once(tiny_setup,
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.eval.runner import PART, evaluate
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
 
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank"])
     examples = load_split(cfg.data.dir, "test")[:20]
@@ -273,7 +273,7 @@ def test_a_checkpoint_retrained_at_the_same_path_is_refused(tiny_setup, tmp_path
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.eval.runner import OutputDirError
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
 
     ckpt, out = tmp_path / "final", tmp_path / "ev"
     overrides = [f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank"]
@@ -292,7 +292,7 @@ def test_a_changed_data_file_is_refused(tiny_setup, tmp_path):  # noqa: F811
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.eval.runner import OutputDirError
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
 
     data, out = tmp_path / "data", tmp_path / "ev"
     shutil.copytree(tiny_setup / "data", data)

@@ -28,7 +28,7 @@ def ladder_run(request, tmp_path_factory):
     from elasticmem.data.schema import load_split
     from elasticmem.data.synthetic import write_synthetic
     from elasticmem.eval import ladder
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
 
     root = tmp_path_factory.mktemp(f"ladder_{request.param}")
     overrides = [f"data.dir={root}/data", f"bank.dir={root}/bank", "data.synthetic.num_histories=20",

@@ -23,7 +23,7 @@ from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import load_split, write_examples
 from elasticmem.eval.runner import evaluate
 from elasticmem.eval.streaming import due_session, stream_bank_dir, stream_order
-from elasticmem.eval.systems import build_system
+from elasticmem.systems import build_system
 from elasticmem.utils.configuration import load
 
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo10.json"

@@ -138,7 +138,7 @@ def test_resume_equals_uninterrupted(tiny_setup, tmp_path, monkeypatch, dropout)
     k = 3
     args = ("train.max_steps=6", "train.save_every=100", "train.eval_split=", *(DROPOUT if dropout else ()))
     trainer.train(_cfg(tiny_setup, tmp_path / "full", *args))
-    monkeypatch.setattr(trainer, "_StopFlag", lambda: _StopAt(k))
+    monkeypatch.setattr(trainer, "StopFlag", lambda: _StopAt(k))
     stopped = trainer.train(_cfg(tiny_setup, tmp_path / "resumed", *args))
     assert stopped["stopped_at"] == k
     assert ckpt.latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == f"step_{k:06d}"

@@ -117,7 +117,7 @@ def test_system_memory_settings_layer_checkpoint_preset_and_overrides(tmp_path):
     sets is ignored with a warning (a comparison's memory.top_z must not give no_memory memories)."""
     import json
 
-    from elasticmem.eval.systems import memory_config
+    from elasticmem.systems import memory_config
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["eval.system=no_memory", "memory.top_z=3"])
     assert cfg.memory.top_z == 3

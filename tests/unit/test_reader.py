@@ -14,7 +14,7 @@ from elasticmem.bank import Bank, build_bank
 from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig, ModelConfig
 from elasticmem.data.synthetic import SyntheticConfig, generate
 from elasticmem.eval.reader import SharedPromptReader
-from elasticmem.eval.systems import ElasticMemSystem
+from elasticmem.systems import ElasticMemSystem
 from elasticmem.model.elasticmem import ElasticMem
 
 

@@ -189,7 +189,7 @@ def test_lr_schedule_and_config_checks():
 
 
 def test_init_from_refuses_another_shape(bank, tmp_path):
-    from elasticmem.grpo.trainer import check_init
+    from elasticmem.training.runtime import check_init
 
     bank, _ = bank
     model = make_model(bank)
@@ -427,7 +427,7 @@ def test_budget_supervision_teaches_the_policy_where_the_evidence_is(tmp_path, s
     from elasticmem.config import load_config
     from elasticmem.data.schema import load_split
     from elasticmem.data.synthetic import write_synthetic
-    from elasticmem.eval.systems import build_system
+    from elasticmem.systems import build_system
     from elasticmem.warmup.reading import warmup
 
     base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=30",

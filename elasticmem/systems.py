@@ -13,6 +13,11 @@ A-Mem (``amem``, ``elasticmem.baselines.amem``), Mem0 and LangMem (``mem0``, ``l
 what they retrieve through the same prompt and decoder (``elasticmem.eval.reader``). MemGen
 (``memgen``, ``elasticmem.baselines.memgen``) shares the prompt, retrieval and bank but
 answers with its own weaver and trigger.
+
+This registry sits above ``elasticmem.eval`` and the baselines (tests/unit/test_import_layers.py):
+it imports every system, while the baselines implement ``elasticmem.eval.system.MemorySystem``
+and read through ``elasticmem.eval.reader``; the evaluation CLI and the live server, above it,
+build systems from here.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("grpo: loss and trainer", ("elasticmem.grpo",)),
     ("warmup: reading warm-up and retrieval-map training", ("elasticmem.warmup",)),
     ("agent: ALFWorld episodes, imitation, skill cards", ("elasticmem.agent",)),
-    ("systems: the registry of every evaluable system", ("elasticmem.systems",)),
+    ("systems: the registry of every evaluable system (eval.systems: its old path, an alias)",
+     ("elasticmem.systems", "elasticmem.eval.systems")),
     ("apps: CLIs and servers", ("elasticmem.eval.cli", "elasticmem.eval.ladder", "elasticmem.live",
                                 "elasticmem.serve")),
 ]
@@ -179,6 +180,13 @@ def test_no_import_cycle():
                 if t in members:
                     lines.append(f"  {_where(m, line, modules)}: {m} imports {t}")
     assert not found, "\n".join(lines)
+
+
+def test_no_module_imports_the_old_systems_path():
+    modules = _modules()
+    users = [_where(m, line, modules) for m, edges in imports(modules).items() for t, line in edges
+             if t == "elasticmem.eval.systems"]
+    assert not users, f"import elasticmem.systems, not its alias elasticmem.eval.systems: {users}"
 
 
 def test_cycle_search_finds_a_circle():

@@ -19,8 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "elasticmem"
 
-# Lowest first. A module may import its own layer and the ones above it in this list (lower
-# layers), never one below it (higher). Within a layer, the cycle test keeps the order acyclic.
+# Lowest first: a module may import modules of its own layer and of the layers listed before it,
+# never of a layer listed after it; within a layer, the cycle test keeps the imports acyclic.
+# Evaluation's core (metrics, stats, the system protocol) and the baselines sit below training
+# because the trainers use them: GRPO and the warm-up report eval metrics, and GRPO trains MemGen.
+# The evaluation CLI and ladder are apps: they build systems from the registry above eval.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation: helpers with no elasticmem imports", ("elasticmem.utils",)),
     ("config: every section's dataclass and variant tuples", ("elasticmem.config",)),

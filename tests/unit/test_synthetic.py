@@ -370,3 +370,17 @@ def test_every_config_field_is_documented() -> None:
     docs = field_docs(SyntheticConfig)
     assert set(docs) == {f for f in SyntheticConfig.__dataclass_fields__}
     assert all(docs.values())
+
+
+def test_config_limits_match_the_tables(monkeypatch) -> None:
+    # elasticmem.config checks SyntheticConfig against the pools' sizes written there as numbers;
+    # the task refuses to load when its tables and those numbers part ways.
+    from elasticmem import config
+
+    synthetic._check_limits()  # as they are: they agree
+    monkeypatch.setattr(config, "SYNTHETIC_FILLER", len(synthetic.FILLER) + 1)
+    with pytest.raises(ImportError, match="SYNTHETIC_FILLER"):
+        synthetic._check_limits()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"num_filler must be in 0..{len(synthetic.FILLER)}"):
+        SyntheticConfig(num_filler=len(synthetic.FILLER) + 1)

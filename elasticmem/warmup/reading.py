@@ -17,7 +17,7 @@ With ``train.system=memgen`` the answer steps are the MemGen baseline's weaver S
 latents placed as ``MemGen.teacher_forced`` places them, the weaver trained on the same target;
 no projector stages), so that both systems get the same supervision before GRPO.
 
-    python -m elasticmem.warmup.reading --config configs/quickstart.yaml [key=value ...]
+    elasticmem-warmup --config configs/quickstart.yaml [key=value ...]   # or: python -m elasticmem.warmup.reading
     python train.py --config configs/quickstart.yaml train.init_from=runs/warmup/quickstart/final
 
 The run folder (``warmup.output_dir``) gets config.yaml, metrics.jsonl (one line per step:
@@ -503,9 +503,9 @@ def _recall_before(model, traj, batch: Sequence[Example], evidence: dict[str, se
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.bank import BankError
     from elasticmem.data.schema import SchemaError
-    from elasticmem.utils.configuration import parse_cli, print_config
+    from elasticmem.utils.configuration import command_name, parse_cli, print_config
 
-    cfg, _ = parse_cli(Config, argv, prog="python -m elasticmem.warmup.reading", description=__doc__)
+    cfg, _ = parse_cli(Config, argv, prog=command_name("python -m elasticmem.warmup.reading"), description=__doc__)
     print_config(cfg, file=sys.stderr)
     try:
         result = warmup(cfg)

@@ -7,7 +7,8 @@
     sbatch slurm/train.sbatch configs/quickstart.yaml        # one or more nodes
 
 The run folder (train.output_dir) gets config.yaml, metrics.jsonl, rollouts.jsonl,
-checkpoints/step_XXXXXX/ and final/. Running the same command again resumes from
+checkpoints/step_XXXXXX/ and final/, each with a model card (README.md: base model,
+config, data, metrics at save, how to load). Running the same command again resumes from
 the newest checkpoint; Ctrl-C (or SIGTERM) finishes the step and writes a checkpoint.
 
 (``train.py`` at the repository root and the ``elasticmem-train`` console script call ``main``;

@@ -392,7 +392,9 @@ def train(cfg: Config) -> dict[str, Any]:
         _truncate_jsonl(metrics_path, state["step"])
         _truncate_jsonl(out / "rollouts.jsonl", state["step"])
         if t.trackers:
-            acc.init_trackers("elasticmem")
+            from elasticmem.grpo.trackers import tracker_init_kwargs
+
+            acc.init_trackers("elasticmem", init_kwargs=tracker_init_kwargs(cfg))
 
     def save_checkpoint() -> None:
         tmp = ckpt.tmp_dir(ckroot, state["step"])

@@ -44,13 +44,18 @@ def _loaded_equals_saved(snippet: str, folder: Path) -> None:
 
     ns: dict = {}
     exec(compile(snippet, f"{folder}/README.md", "exec"), ns)  # noqa: S102  (the card's own lines)
-    model = ns["mem"].model
+    model = ns["mem"].model if "mem" in ns else ns["model"]  # LiveMemory's, or MemGen's through build_system
     got = {f"adapter:{k}": v for k, v in get_peft_model_state_dict(model.lm, save_embedding_layers=False).items()}
-    got.update({f"budget_policy:{k}": v for k, v in model.policy.state_dict().items()})
-    got.update({f"projector:{k}": v for k, v in model.projector.state_dict().items()})
     saved = {f"adapter:{k}": v for k, v in load_file(str(folder / "adapter/adapter_model.safetensors")).items()}
-    for name in ("budget_policy", "projector"):
-        saved.update({f"{name}:{k}": v for k, v in load_file(str(folder / f"{name}.safetensors")).items()})
+    if "mem" in ns:
+        got.update({f"budget_policy:{k}": v for k, v in model.policy.state_dict().items()})
+        got.update({f"projector:{k}": v for k, v in model.projector.state_dict().items()})
+        for name in ("budget_policy", "projector"):
+            saved.update({f"{name}:{k}": v for k, v in load_file(str(folder / f"{name}.safetensors")).items()})
+    else:
+        got.update({f"memgen:{part}.{k}": v for part in ("weaver", "trigger")
+                    for k, v in getattr(model, part).state_dict().items()})
+        saved.update({f"memgen:{k}": v for k, v in load_file(str(folder / "memgen.safetensors")).items()})
     assert got.keys() == saved.keys()
     assert all(torch.equal(got[k].cpu(), saved[k]) for k in saved)
 
@@ -61,13 +66,15 @@ def _eval_command_is_valid(blocks: dict[str, list[str]], folder: Path) -> None:
 
     cmd = shlex.split(blocks["bash"][0])
     assert cmd[:2] == ["elasticmem-eval", "--config"] and f"checkpoint={folder}" in cmd
-    load(Config, cmd[2], [f"eval.{a}" if a.startswith("checkpoint=") else a for a in cmd[3:]])  # keys exist
+    from elasticmem.eval.cli import _expand  # checkpoint=, system=: the command line's short keys
+
+    load(Config, cmd[2], _expand(cmd[3:]))  # every key exists and every value has its type
 
 
-def _check(folder: Path, cfg, row: dict, stage_tag: str) -> None:
+def _check(folder: Path, cfg, row: dict, stage_tag: str, *more_tags: str) -> None:
     front, blocks, body = _card(folder)
     assert front == {"library_name": "elasticmem", "base_model": cfg.model.name_or_path,
-                     "tags": ["elasticmem", stage_tag, "lora"]}
+                     "tags": ["elasticmem", stage_tag, "lora", *more_tags]}
     _same_row(json.loads(blocks["json"][0]), row)
     from elasticmem.utils.configuration import to_dict
 
@@ -126,6 +133,18 @@ def test_the_card_checks_can_fail(grpo_run, tmp_path, bad):
     # caught by the check meant for it, not by something else the change broke
     failed_in = {"metrics": "_same_row", "config": "_check", "weights": "_loaded_equals_saved"}[bad]
     assert caught.traceback[-1].name == failed_in, caught.traceback[-1].name
+
+
+def test_memgen_checkpoint_card_loads_the_memgen_model(tiny_setup, tmp_path):
+    """MemGen (train.system=memgen) is loaded through build_system, not LiveMemory: its card says so."""
+    from elasticmem.grpo.trainer import train
+
+    out = tmp_path / "memgen"
+    cfg = _cfg(tiny_setup, out, "train.system=memgen", "memgen.prompt_latents=4", "memgen.inference_latents=2",
+               "memgen.trigger_hidden=32", "train.max_steps=1", "train.save_every=0", "train.eval_split=")
+    train(cfg)
+    _check(out / "final", cfg, _metrics(out)[-1], "grpo", "memgen")
+    assert "system=memgen" in _card(out / "final")[1]["bash"][0]
 
 
 def test_warmup_checkpoint_and_final_have_a_model_card(tiny_setup, tmp_path):

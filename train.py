@@ -1,51 +1,8 @@
-"""GRPO training of ElasticMem (LoRA reasoner + budget policy + projector) from task reward.
-
-    python train.py --config configs/quickstart.yaml [key=value ...]
-    python train.py --help                                   # every config key, documented
-    accelerate launch --config_file configs/accelerate/multi_gpu.yaml train.py --config ...
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py --config ...  # CPU, 2 processes
-    sbatch slurm/train.sbatch configs/quickstart.yaml        # one or more nodes
-
-The run folder (train.output_dir) gets config.yaml, metrics.jsonl, rollouts.jsonl,
-checkpoints/step_XXXXXX/ and final/. Running the same command again resumes from
-the newest checkpoint; Ctrl-C (or SIGTERM) finishes the step and writes a checkpoint.
-"""
-
-from __future__ import annotations
-
-import json
+"""GRPO training: ``python train.py --config configs/quickstart.yaml [key=value ...]`` (= ``elasticmem-train``;
+``accelerate launch ... train.py --config ...`` for several processes). The code: ``elasticmem.grpo.cli``."""
 import sys
 
-from elasticmem.utils.configuration import ConfigError, parse_cli, print_config
-
-
-def main(argv: list[str] | None = None) -> int:
-    from elasticmem.config import Config
-
-    cfg, _ = parse_cli(Config, argv, prog="train.py", description=__doc__)
-    import os
-
-    from elasticmem.bank import BankError
-    from elasticmem.data.schema import SchemaError
-    from elasticmem.grpo.trainer import train
-
-    if int(os.environ.get("RANK", "0")) == 0:
-        print_config(cfg, file=sys.stderr)
-    try:
-        result = train(cfg)
-    except (ConfigError, SchemaError, BankError, FileNotFoundError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        last = result["history"][-1] if result.get("history") else {}
-        summary = {k: last.get(k) for k in ("step", "reward/mean", "loss", "budget/mean_B_mem") if k in last}
-        if "eval" in result:
-            summary["eval"] = {k: v for k, v in result["eval"].items() if not k.startswith("per_type")}
-        if "stopped_at" in result:
-            summary["stopped_at"] = result["stopped_at"]
-        print(f"train.py: {cfg.train.output_dir}: {json.dumps(summary)}")
-    return 0
-
+from elasticmem.grpo.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -767,7 +767,11 @@ class TrainConfig:
     Covers checkpoint writes and the end-of-run evaluation; a hung process is still caught
     within the half hour."""
     trackers: list[str] = field(default_factory=list)
-    """Extra accelerate trackers, e.g. [tensorboard] or [wandb] (metrics.jsonl is always written)."""
+    """Extra accelerate trackers, e.g. [tensorboard] or [wandb] (metrics.jsonl is always written).
+    wandb (``pip install 'elasticmem[tracking]'``) logs the run with its config into
+    train.output_dir/wandb (``WANDB_DIR`` moves it); it runs offline unless ``WANDB_MODE`` says
+    otherwise or an API key is known (``WANDB_API_KEY``, or ``wandb login``'s ~/.netrc entry):
+    ``wandb sync`` uploads an offline run later."""
     replay_rollouts: str | None = None
     """Folder of recorded rollouts to train on instead of sampling (tests, debugging); see record_rollouts."""
     init_from: str | None = None

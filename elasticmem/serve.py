@@ -1,8 +1,8 @@
 """HTTP server over a live memory (``elasticmem.live.LiveMemory``): tenants add turns and ask questions.
 
     pip install 'elasticmem[serve]'
-    python -m elasticmem.serve --checkpoint runs/train/quickstart/final --bank runs/bank/live \\
-        --api-keys keys.json [--port 8000] [key=value ...]
+    elasticmem-serve --checkpoint runs/train/quickstart/final --bank runs/bank/live \\
+        --api-keys keys.json [--port 8000] [key=value ...]      # or: python -m elasticmem.serve ...
 
 One process holds one model. Every piece of model work (asks and adds) goes through ONE worker
 thread: requests that arrive within a short collection window (``--batch-window-ms``, default 5)
@@ -1309,7 +1309,9 @@ def _limit_flags() -> list[tuple[str, str, Callable[[str], Any], Any, str]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m elasticmem.serve", description=__doc__,
+    from elasticmem.utils.configuration import command_name
+
+    p = argparse.ArgumentParser(prog=command_name("python -m elasticmem.serve"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="a trained checkpoint folder (e.g. runs/train/x/final); none = untrained parts")
     p.add_argument("--bank", required=True, help="the bank folder; created empty when it does not exist")

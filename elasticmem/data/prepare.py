@@ -1,8 +1,9 @@
 """Prepare a dataset in the shared example schema (train/val/test JSONL + stats.json).
 
-    python -m elasticmem.data.prepare synthetic --config configs/quickstart.yaml [key=value ...]
-    python -m elasticmem.data.prepare DATASET --input PATH [PATH ...] --out DIR [--seed N] [--skip-invalid]
-                                      [--splits DIR]
+    elasticmem-prepare synthetic --config configs/quickstart.yaml [key=value ...]
+    elasticmem-prepare DATASET --input PATH [PATH ...] --out DIR [--seed N] [--skip-invalid] [--splits DIR]
+
+(``elasticmem-prepare`` is the console script; ``python -m elasticmem.data.prepare`` is the same.)
 
 ``synthetic`` writes the generated task (knobs under ``data.synthetic``) to
 ``data.dir``; it needs no download and is deterministic by ``seed``.
@@ -30,18 +31,23 @@ import logging
 import sys
 from typing import Any
 
-from elasticmem.utils.configuration import parse_cli
+from elasticmem.utils.configuration import command_name, parse_cli
 
 SYNTHETIC = "synthetic"
 REAL = ("locomo-qa", "locomo-mc10", "locomo-mc10-jsonl", "longmemeval", "longmemeval-mc10-jsonl", "personamem")
 DATASETS = (SYNTHETIC, *REAL)
 
 
+def _prog() -> str:
+    return command_name("python -m elasticmem.data.prepare")
+
+
 def _usage() -> str:
-    return (f"usage: python -m elasticmem.data.prepare synthetic --config PATH [key=value ...]\n"
-            f"       python -m elasticmem.data.prepare {{{','.join(REAL)}}} --input PATH [PATH ...] --out DIR "
+    prog = _prog()
+    return (f"usage: {prog} synthetic --config PATH [key=value ...]\n"
+            f"       {prog} {{{','.join(REAL)}}} --input PATH [PATH ...] --out DIR "
             f"[--seed N] [--skip-invalid] [--splits DIR]\n"
-            f"       python -m elasticmem.data.prepare DATASET --help")
+            f"       {prog} DATASET --help")
 
 
 def prepare_real(name: str, inputs: list[str], out: str, seed: int = 42, skip_invalid: bool = False,
@@ -66,7 +72,7 @@ def prepare_real(name: str, inputs: list[str], out: str, seed: int = 42, skip_in
 def _real_main(name: str, rest: list[str]) -> int:
     from elasticmem.data.schema import SchemaError
 
-    p = argparse.ArgumentParser(prog=f"python -m elasticmem.data.prepare {name}",
+    p = argparse.ArgumentParser(prog=f"{_prog()} {name}",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="source file(s); personamem takes the questions CSV and the contexts JSONL")
@@ -105,6 +111,9 @@ def _print_split(split: str, s: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):  # the dataset comes first, so argparse never sees a bare --help
+        print(f"{_usage()}\n\n{__doc__}")
+        return 0
     if not argv or argv[0] not in DATASETS:
         print(_usage(), file=sys.stderr)
         return 2
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from elasticmem.config import Config
 
-    cfg, _ = parse_cli(Config, rest, prog=f"python -m elasticmem.data.prepare {name}", description=__doc__)
+    cfg, _ = parse_cli(Config, rest, prog=f"{_prog()} {name}", description=__doc__)
     from elasticmem.data.synthetic import write_synthetic
 
     stats = write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)

@@ -9,6 +9,7 @@
     python evaluate.py --config configs/tiny.yaml system=memgen checkpoint=runs/train/memgen/final   # MemGen
     python evaluate.py --config configs/quickstart.yaml system=mem0 --limit 20   # Mem0 (or langmem), offline
     python evaluate.py --help                                  # every config key, documented
+    elasticmem-eval --config configs/quickstart.yaml checkpoint=...   # the console script: the same command
 
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
 The output folder (eval.output_dir, one subfolder per variant) gets results.json,
@@ -20,8 +21,8 @@ command again resumes: examples already answered are not answered again. A folde
 holding predictions of another system, checkpoint, setting or data file is refused;
 eval.overwrite=true deletes them and starts over.
 
-(``evaluate.py`` at the repository root calls ``main``; ``elasticmem.eval.ladder`` runs it with
-the reading ladder's variants.)
+(``evaluate.py`` at the repository root and the ``elasticmem-eval`` console script call ``main``;
+``elasticmem.eval.ladder`` runs it with the reading ladder's variants.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from elasticmem.utils.configuration import ConfigError, parse_cli, print_config
+from elasticmem.utils.configuration import ConfigError, command_name, parse_cli, print_config
 
 ALIASES = ("checkpoint", "split", "system", "limit")
 
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     def extra(p):
         p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
 
-    cfg, args = parse_cli(Config, argv, prog="evaluate.py", description=__doc__, extra=extra)
+    prog = command_name("evaluate.py")
+    cfg, args = parse_cli(Config, argv, prog=prog, description=__doc__, extra=extra)
     overrides = list(args.overrides)
     if args.limit is not None:
         overrides.append(f"eval.limit={args.limit}")
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 ev = res.get("evidence_retrieval")
                 found = (f", evidence found {report.format_accuracy(ev['recall_any'], ev['recall_any_ci95'])} "
                          f"(chance {100 * ev['random_recall_any']:.1f} %)") if ev else ""
-                print(f"evaluate.py: {name}: {metric} {report.format_accuracy(acc, ci, n)}, "
+                print(f"{prog}: {name}: {metric} {report.format_accuracy(acc, ci, n)}, "
                       f"#Tok {res['avg_tokens']:.1f}, memory tokens {res['avg_memory_tokens']:.1f}{found}, "
                       f"{res['latency_s_per_example']:.3f} s/example -> {out}")
         if main_proc and cfg.eval.variants:
@@ -139,16 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                                            title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}", correct=correct)
             plots.accuracy_vs_tokens(results, out_root / "accuracy_vs_tokens.png")
             for name, entry in json.loads(path.with_suffix(".json").read_text())["paired"].items():
-                print(f"evaluate.py: {report.paired_line(name, entry)}")
-            print(f"evaluate.py: comparison -> {path} and {path.with_suffix('.json')}")
+                print(f"{prog}: {report.paired_line(name, entry)}")
+            print(f"{prog}: comparison -> {path} and {path.with_suffix('.json')}")
             groups = report.seed_groups(list(results))
             if groups:  # variants named system@seed: the same system trained with other seeds
                 seeds = report.write_seeds({g: [results[n] for n in names] for g, names in groups.items()},
                                            out_root / "seeds.md", title=f"{Path(cfg.data.dir).name} / {cfg.eval.split}"
                                            f", across training seeds")
-                print(f"evaluate.py: across seeds -> {seeds}")
+                print(f"{prog}: across seeds -> {seeds}")
     except (ConfigError, SchemaError, BankError, FileNotFoundError, OutputDirError) as e:
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

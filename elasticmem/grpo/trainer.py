@@ -181,6 +181,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from elasticmem.data.schema import load_split
     from elasticmem.data.validate import validate_examples
     from elasticmem.eval.retrieval import evidence_rows
+    from elasticmem.model.card import write_run_card
     from elasticmem.model.elasticmem import ElasticMem
 
     t = cfg.train
@@ -257,7 +258,9 @@ def train(cfg: Config) -> dict[str, Any]:
         truncate_jsonl(metrics_path, state["step"])
         truncate_jsonl(out / "rollouts.jsonl", state["step"])
         if t.trackers:
-            acc.init_trackers("elasticmem")
+            from elasticmem.grpo.trackers import tracker_init_kwargs
+
+            acc.init_trackers("elasticmem", init_kwargs=tracker_init_kwargs(cfg))
 
     def save_checkpoint() -> None:
         tmp = ckpt.tmp_dir(ckroot, state["step"])
@@ -272,6 +275,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 core.save_pretrained(tmp)
         if main:
             save_config(cfg, tmp / "config.yaml")
+            final = ckpt.step_dir(ckroot, state["step"])  # where tmp is renamed to: the card names it
+            write_run_card(tmp, cfg, state["step"], metrics_path, load_path=final, config_path=final / "config.yaml")
             ckpt.write_trainer_state(tmp, optimizer, scheduler, {**state, "sampler": sampler.state()},
                                      with_optimizer=not deepspeed)
         acc.wait_for_everyone()
@@ -427,6 +432,7 @@ def train(cfg: Config) -> dict[str, Any]:
     with gathered(acc, trainable):
         if main:
             core.save_pretrained(out / "final")
+            write_run_card(out / "final", cfg, state["step"], metrics_path, config_path=out / "config.yaml")
     if t.eval_split:
         with full_parameters(acc, model):
             ev = greedy_eval(core, _eval_examples(cfg), reward_fn, t.eval_batch_size, acc)

@@ -271,6 +271,14 @@ def format_help(cls: type) -> str:
     return "\n".join(lines)
 
 
+def command_name(default: str) -> str:
+    """The name this process was started as when that is a console script (``elasticmem-train``),
+    else ``default`` (``train.py``, ``python -m elasticmem.serve``): usage and error lines then name
+    the command the user typed. Called in-process (tests, ``main(argv)``) it is ``default``."""
+    name = Path(sys.argv[0]).name.removesuffix(".exe") if sys.argv and sys.argv[0] else ""  # .exe: Windows
+    return name if name.startswith("elasticmem-") else default
+
+
 def parse_cli(
     cls: type[T],
     argv: list[str] | None = None,

@@ -17,7 +17,7 @@ With ``train.system=memgen`` the answer steps are the MemGen baseline's weaver S
 latents placed as ``MemGen.teacher_forced`` places them, the weaver trained on the same target;
 no projector stages), so that both systems get the same supervision before GRPO.
 
-    python -m elasticmem.warmup.reading --config configs/quickstart.yaml [key=value ...]
+    elasticmem-warmup --config configs/quickstart.yaml [key=value ...]   # or: python -m elasticmem.warmup.reading
     python train.py --config configs/quickstart.yaml train.init_from=runs/warmup/quickstart/final
 
 The run folder (``warmup.output_dir``) gets config.yaml, metrics.jsonl (one line per step:
@@ -124,6 +124,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     from elasticmem.eval.retrieval import evidence_rows
     from elasticmem.grpo.loss import retrieval_loss
     from elasticmem.data.rewards import get_reward
+    from elasticmem.model.card import write_run_card
     from elasticmem.training.runtime import OneProcess, RetrievalTargets, StopFlag, greedy_eval, truncate_jsonl
     from elasticmem.model.elasticmem import ElasticMem
     from elasticmem.utils import checkpointing as ckpt
@@ -212,7 +213,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
         truncate_jsonl(metrics_path, pre + state["answer_step"])
         print(f"[warmup] resumed from {resume} (answer step {state['answer_step']} of {w.steps})", file=sys.stderr)
     else:  # the projector-only stages are done: never repeated
-        _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre)
+        _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre, cfg)
     order: list[int] = state["order"]
     first = state["answer_step"]
     bar = tqdm(range(first + 1, w.steps + 1), desc="warm-up (answers)", unit="step", file=sys.stderr,
@@ -264,7 +265,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
             stop_now = stop.set or (w.stop_after_steps > 0 and step - first >= w.stop_after_steps and step < w.steps)
             if (w.save_every and step % w.save_every == 0 and step < w.steps) or stop_now:
                 model.cfg = mem_cfg
-                _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre + step)
+                _save_checkpoint(out, model, optimizer, scheduler, state, gen, pre + step, cfg)
             if stop_now:
                 bar.close()
                 return {"stopped_at": pre + step, "last_step": last}
@@ -273,6 +274,8 @@ def warmup(cfg: Config) -> dict[str, Any]:
     tmp = out / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    write_run_card(tmp, cfg, pre + w.steps, metrics_path, stage="warmup", load_path=out / "final",
+                   config_path=out / "config.yaml")
     tmp.rename(out / "final")
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # final/ supersedes them
     result: dict[str, Any] = {"last_step": last}
@@ -309,11 +312,13 @@ def _resumable(cfg: Config, out: Path) -> Path | None:
 
 
 def _save_checkpoint(out: Path, model, optimizer, scheduler, state: dict[str, Any], gen: torch.Generator,
-                     step: int) -> None:
+                     step: int, cfg: Config) -> None:
     """Weights, AdamW and schedule, the data order, the sampling generator and the global RNG,
-    written atomically as ``checkpoints/step_{step}`` (global step); only the newest is kept."""
+    written atomically as ``checkpoints/step_{step}`` (global step) with its model card; only the
+    newest is kept."""
     from safetensors.torch import save_file
 
+    from elasticmem.model.card import write_run_card
     from elasticmem.utils import checkpointing as ckpt
 
     root = out / "checkpoints"
@@ -324,6 +329,8 @@ def _save_checkpoint(out: Path, model, optimizer, scheduler, state: dict[str, An
     ckpt.write_trainer_state(tmp, optimizer, scheduler, {"answer_step": state["answer_step"],
                                                          "order": list(state["order"])})
     save_file({"state": gen.get_state()}, str(tmp / "generator.safetensors"))
+    write_run_card(tmp, cfg, step, out / "metrics.jsonl", stage="warmup", load_path=ckpt.step_dir(root, step),
+                   config_path=out / "config.yaml")
     ckpt.save_rng(tmp, 0)
     ckpt.finalize(root, step, keep_last=1)
 
@@ -496,9 +503,9 @@ def _recall_before(model, traj, batch: Sequence[Example], evidence: dict[str, se
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.bank import BankError
     from elasticmem.data.schema import SchemaError
-    from elasticmem.utils.configuration import parse_cli, print_config
+    from elasticmem.utils.configuration import command_name, parse_cli, print_config
 
-    cfg, _ = parse_cli(Config, argv, prog="python -m elasticmem.warmup.reading", description=__doc__)
+    cfg, _ = parse_cli(Config, argv, prog=command_name("python -m elasticmem.warmup.reading"), description=__doc__)
     print_config(cfg, file=sys.stderr)
     try:
         result = warmup(cfg)

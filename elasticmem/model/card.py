@@ -35,7 +35,7 @@ def load_snippet(load_path: str, config_path: str, bank_dir: str, system: str) -
     """The Python lines that load this checkpoint (a test runs them)."""
     if system == "memgen":  # LiveMemory answers with ElasticMem and its text baselines only
         return (f"from elasticmem.config import Config\n"
-                f"from elasticmem.eval.systems import build_system\n"
+                f"from elasticmem.systems import build_system\n"
                 f"from elasticmem.utils.configuration import load\n\n"
                 f"cfg = load(Config, {config_path!r}, [\"eval.system=memgen\", {'eval.checkpoint=' + load_path!r},\n"
                 f"                                      {'bank.dir=' + bank_dir!r}])\n"

@@ -8,7 +8,8 @@ process and in another one after its refresh; compaction must leave no byte of a
 text, key or cached states in any file under the bank folder while the survivors load equal to
 before; a process killed at each point of a delete (its commit record torn in half, each rename
 and unlink of the purge, and SIGKILL at a random moment of a stream of deletes) must leave the
-bank either before or after each whole delete, opening and verifying.
+bank either before or after each whole delete, opening and verifying; unknown rows are refused
+with nothing deleted, and a delete on a built bank (no journal yet) starts one.
 """
 
 from __future__ import annotations
@@ -300,3 +301,16 @@ def test_unknown_rows_are_refused(tmp_path, tiny_backbone):
     with pytest.raises(MemoryNotFound, match="no memory with row id"):
         forget_rows(bank, [bank.num_chunks + 5])
     assert forget_rows(bank, []).deleted == 0 and Bank.open(bank.root).manifest == bank.manifest
+
+
+def test_a_delete_on_a_built_bank_starts_its_journal(tmp_path, tiny_backbone):
+    cfg = BankConfig(dir=str(tmp_path / "built"), n_cache=8, batch_size=5, shard_rows=5)
+    build_bank({"train": make_examples(2, seed=3)}, tiny_backbone, CHUNKING, cfg, torch.float32, show_progress=False)
+    bank = Bank.open(cfg.dir)
+    assert bank.journal is None
+    row = bank.group_row_ids("g1").tolist()[-1]
+    res = forget_rows(cfg.dir, [row], purge=True)
+    again = Bank.open(cfg.dir, verify=True)
+    assert again.journal is not None and row not in again.group_row_ids("g1").tolist()
+    assert again.chunk(row)["deleted"] and again.manifest == res.bank.manifest
+    assert not again.keys()[row].any() and again.keys()[row - 1].any()

@@ -17,6 +17,9 @@ search restricted to the group, the budget policy and the projector, as in evalu
 (the baselines of ``evaluate.py``). The HTTP server (``python -m elasticmem.serve``) serves one
 ``LiveMemory``; a bank folder may also be appended to by other processes (``refresh``).
 
+``forget`` deletes one memory, a session or a whole group: no later ask or search sees it, and
+(compacted at once by default) no file of the bank keeps its text or cached states.
+
 A ``LiveMemory`` may be called from several threads: calls run one at a time (one model).
 """
 
@@ -92,6 +95,20 @@ class AddResult:
     """Chunks left out because the group already held their text (a retried add adds nothing)."""
     rows: list[int] = field(default_factory=list)
     """The bank rows of the added chunks."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Forgotten:
+    group: str
+    deleted: int
+    """Memories (bank rows) deleted."""
+    rows: list[int] = field(default_factory=list)
+    """Their row ids (as ``chunks`` listed them)."""
+    purged: bool = False
+    """Whether their text and cached states are gone from the bank's files already (compacted)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,6 +228,41 @@ class LiveMemory:
             chunks = bank.chunks()
             return [dict(chunks[r]) for r in bank.group_row_ids(group).tolist()]
 
+    def forget(self, group: str, *, row: int | None = None, session: int | None = None,
+               purge: bool = True) -> Forgotten:
+        """Delete memories of ``group``: the one with bank row id ``row`` (as ``chunks`` lists it),
+        every memory of session ``session``, or (neither given) the whole group. No later search or
+        ask sees them (``elasticmem.bank.forget``: one journal record, atomic across a crash); with
+        ``purge`` (the default) the bank is compacted at once so that no file keeps their text or
+        cached states (it rewrites the shards holding them). Survivors keep their row ids. Raises
+        ``MemoryNotFound`` (a ``LookupError``) when the group holds no such memory; nothing is
+        deleted then."""
+        from elasticmem.bank.forget import MemoryNotFound, forget_rows
+
+        _check_group(group)
+        if row is not None and session is not None:
+            raise ValueError("forget one memory (row) or one session, not both")
+        with self._lock:
+            self._refresh_if_changed()
+            bank = self.model.bank
+            if group not in bank.groups:
+                raise MemoryNotFound(f"memory group {group!r} holds no memory")
+            mine = bank.group_row_ids(group).tolist()
+            if row is not None:
+                if int(row) not in set(mine):
+                    raise MemoryNotFound(f"memory group {group!r} holds no memory with row id {row}")
+                rows = [int(row)]
+            elif session is not None:
+                chunks = bank.chunks()
+                rows = [r for r in mine if chunks[r].get("session") == int(session)]
+                if not rows:
+                    raise MemoryNotFound(f"memory group {group!r} holds no memory of session {session}")
+            else:
+                rows = mine
+            res = forget_rows(bank, rows, purge=purge, fingerprint=bank.fingerprint)
+            self.model.refresh_bank(res.bank)
+        return Forgotten(group, res.deleted, res.rows.get(group, []), res.purged)
+
     def groups(self) -> list[str]:
         with self._lock:
             return sorted(self.model.bank.groups)
@@ -292,4 +344,4 @@ class LiveMemory:
         return answers
 
 
-__all__ = ["AddResult", "Answer", "AskRequest", "LiveMemory", "Memory"]
+__all__ = ["AddResult", "Answer", "AskRequest", "Forgotten", "LiveMemory", "Memory"]

@@ -43,6 +43,13 @@ skipped, so a retried request adds nothing::
 
     curl -s localhost:8000/v1/memory/tenantA/notes -H "Authorization: Bearer $K"
 
+``DELETE /v1/memory/{group}`` forgets the whole group, ``?session=N`` one session, ``?row=R`` one
+memory (its ``row`` in the listing): ``{"group", "deleted", "rows", "purged"}``, answered once the
+memories are out of search and out of the bank's files (``LiveMemory.forget``). Memories not in the
+group are 404 (a retried delete too); the key must cover the group (403), as for every route::
+
+    curl -s -X DELETE "localhost:8000/v1/memory/tenantA/notes?row=17" -H "Authorization: Bearer $K"
+
 ``POST /v1/ask`` answers a question from one group's memory (greedy decoding): ``{"group",
 "question", "choices"?: [str], "max_new_tokens"?: int}`` -> ``{"group", "question", "text",
 "memories": [{"rank", "row", "group", "score", "budget", "tokens", "text"}], "prompt_tokens",
@@ -73,7 +80,8 @@ messages are not read: the memory is the history). Sampling parameters are accep
 
 ``GET /metrics`` (no key needed; counts only, no group names): requests by endpoint and status,
 latency p50/p95 of successful requests per endpoint (the last 10,000), batches run, mean and
-largest ask batch, asks answered, sessions and chunks added, queue depth, worker time::
+largest ask batch, asks answered, sessions and chunks added, memories forgotten, queue depth, worker
+time::
 
     curl -s localhost:8000/metrics
 
@@ -295,7 +303,7 @@ class QuotaExceeded(RuntimeError):
 
 @dataclass
 class _Job:
-    kind: str  # "ask" or "add"
+    kind: str  # "ask", "add" or "forget"
     payload: Any  # an AskRequest, or (group, turns)
     future: concurrent.futures.Future
     tenant: str | None = None
@@ -343,6 +351,9 @@ class ModelWorker:
         self.chunks_skipped = 0
         self.add_errors = 0
         self.adds_over_quota = 0
+        self.forgets = 0
+        self.memories_forgotten = 0
+        self.forget_errors = 0
         self.withdrawn = 0
         self.busy_s = 0.0
         self.queue_wait: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -461,7 +472,9 @@ class ModelWorker:
         # Requests of one batch were all sent before any of them was answered, so none of them can
         # depend on another; adds first gives every ask the freshest bank, and keeps a mixed batch
         # one forward instead of one per stretch between two adds.
-        runs = [[job for job in batch if job.kind == "add"], [job for job in batch if job.kind == "ask"]]
+        # Deletes come after the adds and before the asks: an ask of the batch never sees a memory
+        # forgotten in it (a delete of the same batch was sent before the ask was answered).
+        runs = [[job for job in batch if job.kind == kind] for kind in ("add", "forget", "ask")]
         for run in runs:
             if not run:
                 continue
@@ -470,10 +483,7 @@ class ModelWorker:
                 self.queue_wait.extend(now - job.enqueued for job in run)
             t0 = time.perf_counter()
             try:
-                if run[0].kind == "ask":
-                    self._asks(run)
-                else:
-                    self._adds(run)
+                {"ask": self._asks, "add": self._adds, "forget": self._forgets}[run[0].kind](run)
             except BaseException as e:  # never leave a waiter hanging, whatever happened
                 log.exception("model worker: unexpected failure")
                 for job in run:
@@ -518,10 +528,7 @@ class ModelWorker:
                 else:
                     self.ask_errors += 1
         for job, (answer, err) in zip(live_jobs, results):
-            if err is None:
-                job.future.set_result(answer)
-            else:
-                job.future.set_exception(err)
+            self._settle(job.future, answer, err)
 
     def _adds(self, run: list[_Job]) -> None:
         # A client that left while its add waited had it withdrawn from the queue. One that left in
@@ -549,12 +556,35 @@ class ModelWorker:
                 else:
                     self.add_errors += 1
         for (job, running), (result, err) in zip(jobs, outcome):
-            if not running:
-                continue
-            if err is None:
-                job.future.set_result(result)
-            else:
-                job.future.set_exception(err)
+            if running:
+                self._settle(job.future, result, err)
+
+    def _forgets(self, run: list[_Job]) -> None:
+        # One at a time, in arrival order: each is its own commit (and purge). A client that left after
+        # its delete was taken still has it applied: a retry then gets 404, the memory being gone.
+        for job in run:
+            running = job.future.set_running_or_notify_cancel()
+            group, row, session = job.payload
+            try:
+                result, err = self.live.forget(group, row=row, session=session), None
+            except Exception as e:
+                result, err = None, e
+            with self._lock:
+                if err is None:
+                    self.forgets += 1
+                    self.memories_forgotten += result.deleted
+                elif not isinstance(err, LookupError):  # a 404 is the client's, not a failure
+                    self.forget_errors += 1
+            if running:
+                self._settle(job.future, result, err)
+
+    @staticmethod
+    def _settle(future: concurrent.futures.Future, result: Any, err: BaseException | None) -> None:
+        """Give a job's waiter its result, or the error its request raised."""
+        if err is None:
+            future.set_result(result)
+        else:
+            future.set_exception(err)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -574,6 +604,9 @@ class ModelWorker:
                 "chunks_skipped": self.chunks_skipped,
                 "add_errors": self.add_errors,
                 "adds_over_quota": self.adds_over_quota,
+                "forgets": self.forgets,
+                "memories_forgotten": self.memories_forgotten,
+                "forget_errors": self.forget_errors,
                 "withdrawn": self.withdrawn,
                 "queue_depth": self.queued(),
                 "queue_wait_s": _percentiles(self.queue_wait),
@@ -1032,7 +1065,7 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
     """
     from contextlib import asynccontextmanager
 
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import Depends, FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
@@ -1177,6 +1210,8 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
             raise HTTPException(503, str(e)) from None
         except QuotaExceeded as e:
             raise HTTPException(507, str(e)) from None
+        except LookupError as e:  # LiveMemory.forget: no such memory (MemoryNotFound)
+            raise HTTPException(404, str(e)) from None
         except ValueError as e:  # LiveMemory refuses bad input with ValueError (e.g. a turn it cannot chunk)
             raise HTTPException(422, str(e)) from None
         except Exception as e:
@@ -1220,6 +1255,17 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
         group = authorize(group, key, "the path")
         # listing reads the chunk table, not the model: no need to queue behind the asks
         return {"group": group, "chunks": await asyncio.to_thread(live.chunks, group)}
+
+    @app.delete("/v1/memory/{group:path}")
+    async def forget_memory(request: Request, group: str, key: ApiKey | None = Depends(caller),
+                            row: int | None = Query(None, ge=0, description="one memory: its row id"),
+                            session: int | None = Query(None, ge=0, description="every memory of one session")
+                            ) -> dict:
+        # query parameters, not sub-paths: a group name may hold "/", so ".../sessions/3" could be a group
+        group = authorize(group, key, "the path")
+        if row is not None and session is not None:
+            raise HTTPException(422, "give row (one memory) or session (one session), not both")
+        return _to_json(await run_model(request, key, "forget", (group, row, session)))
 
     @app.post("/v1/ask")
     async def ask_endpoint(request: Request, body: AskBody, key: ApiKey | None = Depends(caller)) -> dict:

@@ -67,6 +67,7 @@ from elasticmem.bank.store import (
     Bank,
     BankError,
     apply_record,
+    forgotten_record,
     journal_line,
     shard_name,
 )
@@ -172,6 +173,9 @@ class _GroupMemo:
 
     def __init__(self):
         self.n = 0
+        self.covered: tuple[tuple[int, int], ...] = ()
+        """The group's segments the memo was last brought up to (a delete changes earlier ones)."""
+        self.version = (0, 0)
         self.known: set[str] = set()
         self.next_session = 0
         self.hasher = hashlib.sha256(b"[")
@@ -208,21 +212,40 @@ def _tail_rows(segments: Sequence[tuple[int, int]], skip: int) -> list[int]:
     return [r for part in reversed(out) for r in part]
 
 
+def _prefix(segments: Sequence[tuple[int, int]], n: int) -> tuple[tuple[int, int], ...]:
+    """The segments covering the first ``n`` rows of ``segments``."""
+    out = []
+    for a, b in segments:
+        if n <= 0:
+            break
+        out.append((a, min(b, a + n)))
+        n -= out[-1][1] - a
+    return tuple(out)
+
+
 def _group_memo(bank: Bank, group: str) -> _GroupMemo:
     """``group``'s memo as of ``bank`` (a new group: empty), brought up to date with its rows."""
     memos = bank._store.memo
-    segs = bank.groups.get(group, ())
+    segs = tuple(bank.groups.get(group, ()))
     size = sum(b - a for a, b in segs)
     memo = memos.get(group)
-    if memo is None or memo.n > size:  # a first look, or an older snapshot than the memo's
+    # a first look, an older snapshot than the memo's, or rows the memo read were deleted since
+    if memo is None or memo.n > size or _prefix(segs, memo.n) != _prefix(memo.covered, memo.n):
+        stale = memo
         memo = _GroupMemo()
-        if group not in memos or memos[group].n <= size:
+        if stale is None or _version(bank) >= stale.version:  # keep the newest snapshot's
             memos[group] = memo
     if memo.n < size:
         chunks = bank.chunks()
         for r in _tail_rows(segs, memo.n):
             memo.add(chunks[r])
+    memo.covered, memo.version = segs, _version(bank)
     return memo
+
+
+def _version(bank: Bank) -> tuple[int, int]:
+    """Orders the snapshots of one line of appends: deletes committed, then rows."""
+    return int(bank.manifest.get("build", {}).get("deletes", 0)), bank.num_chunks
 
 
 def _new_chunks(bank: Bank, items: Sequence[SessionAdd]) -> tuple[list[tuple[int, Chunk]], list[int]]:
@@ -458,14 +481,37 @@ def _merge_plan(sizes: Sequence[int], target_rows: int | None = None, fanout: in
 
 def compact(root: str | Path, target_rows: int | None = None) -> Bank:
     """Merge runs of consecutive appended shards (and their chunk files) by ``_merge_plan``
-    (levels up to ``target_rows``, default ``COMPACT_ROWS``), and fold the journal into a new
-    ``manifest.json``. Rows keep their numbers, order and values, so search results, cached row
-    ids and indexes stay valid; readers keep their snapshot. Files no manifest needs any more
-    are deleted once replaced ``GRACE_S`` ago. Append calls this by itself."""
+    (levels up to ``target_rows``, default ``COMPACT_ROWS``), purge deleted rows, and fold the
+    journal into a new ``manifest.json``. Rows keep their numbers, order and values, so search
+    results, cached row ids and indexes stay valid; readers keep their snapshot. Files no manifest
+    needs any more are deleted once replaced ``GRACE_S`` ago, except those that held a deleted
+    row's data: those at once (forgetting does not wait for old readers; a reader holding an old
+    snapshot keeps its open shards, but must refresh to read chunk texts). Append calls this by
+    itself when shards are to be merged."""
     root = Path(root)
     with _dir_lock(root):
         bank = Bank.open(root)
         return _compact(_latest(root, bank, bank.fingerprint), target_rows)
+
+
+def _in(segments: Sequence[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether rows ``[a, b)`` meet any of ``segments``."""
+    return any(x < b and a < y for x, y in segments)
+
+
+def _purged(tensors: dict[str, torch.Tensor], lines: list[bytes], first: int,
+            deleted: Sequence[tuple[int, int]]) -> None:
+    """Zero the tensors and replace the chunk lines (in place) of the deleted rows among the
+    rows ``first...`` they hold: a forgotten row leaves no byte of its text or states."""
+    n = len(lines) if lines else next(iter(tensors.values())).shape[0]
+    for a, b in deleted:
+        lo, hi = max(a, first) - first, min(b, first + n) - first
+        if lo >= hi:
+            continue
+        for t in tensors.values():
+            t[lo:hi] = 0
+        for j in range(lo, min(hi, len(lines))):
+            lines[j] = (json.dumps(forgotten_record(first + j)) + "\n").encode()
 
 
 def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
@@ -476,18 +522,27 @@ def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
     appended = m.get("chunk_files", [])
     first = len(m["shards"]) - len(appended)  # shards before are a build's (texts in chunks.jsonl)
     runs = _merge_plan(_appended_rows(m), target_rows)
+    unpurged, deleted = bank.unpurged, bank.deleted
+    holds = [_in(unpurged, s.start, s.start + s.rows) for s in bank.shards]
+    merged = {k for run in runs for k in run}
+    # an appended shard holding a deleted row is rewritten alone when no merge rewrites it
+    runs += [[k] for k in range(len(appended)) if k not in merged and holds[first + k]]
     nxt = _next_index(m)
+    names = ["keys", "cache", "cache_len", *(["kv"] if bank.kv else [])]
+    meta = {"plan_id": m.get("build", {}).get("plan_id") or ""}
     replace: dict[int, tuple[dict, dict]] = {}  # first appended index of a run -> merged shard, chunk file
     for run in runs:
-        parts: dict[str, list[torch.Tensor]] = {"keys": [], "cache": [], "cache_len": [], **({"kv": []} if bank.kv else {})}
-        text = b""
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        lines: list[bytes] = []
         for k in run:
             with safe_open(str(root / m["shards"][first + k]["file"]), framework="pt") as f:
                 for name in parts:
                     parts[name].append(f.get_tensor(name))
-            text += (root / appended[k]["file"]).read_bytes()
-        data = st_save({n: torch.cat(v) for n, v in parts.items()},
-                       metadata={"plan_id": m.get("build", {}).get("plan_id") or "", "compacted": str(len(run))})
+            lines += (root / appended[k]["file"]).read_bytes().splitlines(keepends=True)
+        tensors = {n: torch.cat(v).clone() for n, v in parts.items()}
+        _purged(tensors, lines, bank.shards[first + run[0]].start, deleted)
+        data = st_save(tensors, metadata={**meta, "compacted": str(len(run))})
+        text = b"".join(lines)
         rows = sum(appended[k]["rows"] for k in run)
         _atomic_write_bytes(root / shard_name(nxt), data)
         _atomic_write_bytes(root / chunk_file_name(nxt), text)
@@ -496,40 +551,73 @@ def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
                            {"file": chunk_file_name(nxt), "rows": rows, "sha256": hashlib.sha256(text).hexdigest(),
                             "bytes": len(text)})
         nxt += 1
+    built: dict[int, dict] = {}  # a build's shard holding a deleted row -> its rewrite
+    for i in (i for i in range(first) if holds[i]):
+        with safe_open(str(root / m["shards"][i]["file"]), framework="pt") as f:
+            tensors = {n: f.get_tensor(n).clone() for n in names}
+        _purged(tensors, [], bank.shards[i].start, deleted)
+        data = st_save(tensors, metadata={**meta, "purged": "1"})
+        _atomic_write_bytes(root / shard_name(nxt), data)
+        built[i] = {"file": shard_name(nxt), "rows": bank.shards[i].rows,
+                    "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        nxt += 1
+    if built:  # the build's chunk texts are one file, not in the manifest (no size to match): rewritten in place
+        lines = (root / CHUNKS).read_bytes().splitlines(keepends=True)
+        _purged({}, lines, 0, deleted)
+        _atomic_write_bytes(root / CHUNKS, b"".join(lines))
     grown = bank
-    if replace:
+    if replace or built or unpurged:
         _fsync_dir(root)
-        merged = {k for run in runs for k in run}
-        shards, chunk_files = m["shards"][:first], []
+        run_of = {k: run for run in runs for k in run}
+        shards = [built.get(i, s) for i, s in enumerate(m["shards"][:first])]
+        chunk_files = []
         for k in range(len(appended)):
             if k in replace:
                 shards.append(replace[k][0])
                 chunk_files.append(replace[k][1])
-            elif k not in merged:
+            elif k not in run_of:
                 shards.append(m["shards"][first + k])
                 chunk_files.append(appended[k])
         build = dict(m.get("build", {}))
         build["compactions"] = int(build.get("compactions", 0)) + 1
-        grown = _checkpoint(bank, {**m, "shards": shards, "chunk_files": chunk_files, "build": build})
+        if unpurged:
+            # Every shard and chunk file the new manifest does not name may hold a forgotten row (those
+            # just replaced, those an earlier merge replaced within the grace time, a crashed writer's
+            # temporary files): all are deleted now, and by any later compaction should a crash stop
+            # this one. Names are never reused (numbers only grow), so the list stays true.
+            needed = {s["file"] for s in shards} | {c["file"] for c in chunk_files}
+            build["forgotten_files"] = sorted(
+                {f for f in build.get("forgotten_files", []) if (root / f).exists()}
+                | {p.name for p in root.iterdir() if p.name.startswith(("shard-", "chunks-")) and p.name not in needed})
+        grown = _checkpoint(bank, {**m, "shards": shards, "chunk_files": chunk_files, "build": build, "unpurged": []})
         now = time.time()
-        for k in merged:  # their grace time starts now, when they stop being the bank's
+        for k in run_of:  # their grace time starts now, when they stop being the bank's
             for f in (m["shards"][first + k]["file"], appended[k]["file"]):
                 os.utime(root / f, (now, now))
+        if unpurged:  # a saved FAISS index holds the forgotten keys: it is rebuilt when next loaded
+            for name in ("index.faiss", "index.json"):
+                (root / name).unlink(missing_ok=True)
     _collect_garbage(root, grown.manifest)
     return grown
 
 
 def _collect_garbage(root: Path, manifest: dict[str, Any], grace_s: float | None = None) -> None:
     """Delete shard, chunk and journal files the manifest does not name, once older than
-    ``grace_s`` (default ``GRACE_S``)."""
+    ``grace_s`` (default ``GRACE_S``); those that held a forgotten row (``build.forgotten_files``)
+    at once."""
     grace_s = GRACE_S if grace_s is None else grace_s
     needed = ({s["file"] for s in manifest["shards"]} | {c["file"] for c in manifest.get("chunk_files", [])}
               | {manifest.get("build", {}).get("journal")})
+    forgotten = set(manifest.get("build", {}).get("forgotten_files", ())) - needed
     now = time.time()
     for p in root.iterdir():
-        if p.name.startswith(("shard-", "chunks-", "journal-")) and p.name not in needed and (
+        if p.name in forgotten:
+            p.unlink(missing_ok=True)
+        elif p.name.startswith(("shard-", "chunks-", "journal-")) and p.name not in needed and (
                 ".tmp" not in p.name and now - p.stat().st_mtime > grace_s):
             p.unlink(missing_ok=True)
+    if forgotten:
+        _fsync_dir(root)
 
 
 __all__ = ["AppendResult", "SessionAdd", "append_sessions", "chunk_file_name", "compact", "create_bank",

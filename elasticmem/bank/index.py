@@ -26,7 +26,8 @@ way when loaded, unless the bank has more than doubled since it was trained, whe
 it is stale and rebuilt (IVF centroids trained on half the data place the rest badly).
 
 When a group has fewer than k rows the missing places hold row -1 and
-score -inf (callers use what exists).
+score -inf (callers use what exists). Deleted rows (``elasticmem.bank.forget``) are in no group and
+never returned: an unrestricted FAISS search drops them from its k results (fewer come back).
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ class TorchIndex:
         q = _normalise(queries)
         res = _empty(q.shape[0], k)
         for g, idx in _by_group(groups, q.shape[0]).items():
-            segs = ((0, self.bank.num_chunks),) if g is None else self.bank.group_segments(g)
+            # unrestricted: every row but the deleted ones (elasticmem.bank.forget)
+            segs = self.bank.live_segments() if g is None else self.bank.group_segments(g)
             _fill(res, idx, exact_search(q[idx], k, segs, self._keys_of, self.device))
         return res
 
@@ -336,7 +338,12 @@ class FaissIndex:
             t = torch.as_tensor(idx)
             rows = torch.from_numpy(I).long()
             scores = torch.from_numpy(D).float()
+            for a, b in self.bank.deleted:  # forgotten rows stay in the FAISS index: never return them
+                rows[(rows >= a) & (rows < b)] = -1
             scores[rows < 0] = float("-inf")
+            if self.bank.deleted:  # the dropped places go last, as a group's missing ones do
+                order = scores.argsort(dim=1, descending=True, stable=True)
+                scores, rows = scores.gather(1, order), rows.gather(1, order)
             res.scores[t], res.rows[t] = scores, rows
         return res
 

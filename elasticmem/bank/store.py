@@ -21,6 +21,13 @@ Journal: one record per line, ``<first 16 hex of sha256(body)> <body JSON>``. A 
 the first line that is incomplete or does not match its checksum (an append in progress, or one
 a crash tore): the records before it are the bank; an appender truncates such a tail before it
 writes. A journal that a compaction replaced ends with a ``seal`` record.
+
+Forgetting (``elasticmem.bank.forget``): a ``delete`` record names rows to forget; they leave their
+groups' segments (so every search restricted to a group, and ``chunks()`` through the groups, skips
+them from the commit on) and join ``deleted`` (every row ever deleted) and ``unpurged`` (deleted
+rows whose text and tensors some file still holds). Rows keep their numbers: the survivors' ids
+never change. Compaction purges: it rewrites the files holding ``unpurged`` rows with those rows
+zeroed (text, keys, caches) and deletes the files it replaced at once.
 """
 
 from __future__ import annotations
@@ -92,9 +99,48 @@ def read_journal(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int
     return records, offset + pos, False
 
 
+def merge_segments(*parts: Iterable[Sequence[int]]) -> list[list[int]]:
+    """The union of ``[start, end)`` row segments, sorted and coalesced."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for part in parts for a, b in part):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        elif a < b:
+            out.append([a, b])
+    return out
+
+
+def rows_to_segments(rows: Iterable[int]) -> list[list[int]]:
+    """Sorted row numbers as coalesced ``[start, end)`` segments."""
+    return merge_segments([(r, r + 1) for r in rows])
+
+
+def _apply_delete(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """A ``delete`` record: ``rows`` (segments) leave the groups, whose new segments (none: the
+    group is gone) and ``groups_sha256`` the record carries."""
+    m = dict(manifest)
+    m["format_version"] = APPEND_FORMAT_VERSION
+    groups = m["groups"] = dict(m["groups"])
+    sha = m[GROUPS_SHA256] = dict(m.get(GROUPS_SHA256, {}))
+    for g, segs in rec["groups"].items():
+        if segs:
+            groups[g] = [list(x) for x in segs]
+            sha[g] = rec[GROUPS_SHA256][g]
+        else:
+            groups.pop(g, None)
+            sha.pop(g, None)
+    m["deleted"] = merge_segments(m.get("deleted", []), rec["rows"])
+    m["unpurged"] = merge_segments(m.get("unpurged", []), rec["rows"])
+    build = m["build"] = dict(m.get("build", {}))
+    build["deletes"] = int(build.get("deletes", 0)) + 1
+    return m
+
+
 def apply_record(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
     """The manifest after one journal record. ``manifest`` is not changed: containers that change
     are copied (one level), the others shared, so snapshots share what they have in common."""
+    if rec.get("op") == "delete":
+        return _apply_delete(manifest, rec)
     if rec.get("op") != "append":
         raise BankError(f"unknown journal record {rec.get('op')!r}: written by a newer elasticmem?")
     m = dict(manifest)
@@ -117,6 +163,11 @@ def apply_record(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any
     return m
 
 
+def forgotten_record(row: int) -> dict[str, Any]:
+    """What stands for a deleted row in the chunk records and files (its number is kept)."""
+    return {"row": int(row), "group": None, "text": "", "n_tokens": 0, "session": -1, "turns": [], "deleted": True}
+
+
 def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
     """What changes when ``manifest.json`` is replaced (a rename gives another inode, size or time)."""
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -125,7 +176,9 @@ def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
 class _RowStore:
     """The chunk records of one line of appends, shared by all its snapshots: rows are never
     rewritten (appends add rows, compaction only regroups files), so the first n records are
-    every snapshot's first n. ``records`` only grows; ``memo`` is for appenders (per-group state)."""
+    every snapshot's first n. ``records`` only grows; ``memo`` is for appenders (per-group state).
+    A deleted row's record is replaced by ``forgotten_record`` as soon as a snapshot sees the delete
+    (the text leaves this process's memory too, also for older snapshots: they never list it)."""
 
     def __init__(self):
         self.records: list[dict[str, Any]] = []
@@ -205,7 +258,10 @@ class Bank:
         if like is not None and changed_groups is not None:
             self.groups = dict(like.groups)
             for g in changed_groups:
-                self.groups[g] = parse_segments(manifest["groups"][g])
+                if g in manifest["groups"]:
+                    self.groups[g] = parse_segments(manifest["groups"][g])
+                else:  # every row of it deleted
+                    self.groups.pop(g, None)
         else:
             self.groups: dict[str, tuple[tuple[int, int], ...]] = {
                 g: parse_segments(v) for g, v in manifest["groups"].items()}
@@ -282,6 +338,7 @@ class Bank:
         bank._stamp, bank._journal_offset, bank._journal_records = stamp, offset, len(records)
         if like is not None and bank.extends(like):
             bank._store = like._store
+        bank._scrub()
         if verify:
             bank.verify()
         return bank
@@ -325,7 +382,19 @@ class Bank:
         grown = Bank(self.root, m, like=self, changed_groups={g for r in records for g in r["groups"]})
         grown._stamp, grown._journal_offset = self._stamp, end
         grown._journal_records = self._journal_records + len(records)
+        if any(r.get("op") == "delete" for r in records):
+            grown._scrub()
         return grown
+
+    def _scrub(self) -> None:
+        """Replace the shared chunk records of deleted rows (read before the delete) by
+        ``forgotten_record``."""
+        store = self._store
+        with store.lock:
+            for a, b in self.deleted:
+                for r in range(a, min(b, len(store.records))):
+                    if not store.records[r].get("deleted"):
+                        store.records[r] = forgotten_record(r)
 
     def extends(self, other: "Bank") -> bool:
         """Whether this bank is ``other`` or ``other`` grown by appends, so that ``other``'s rows are
@@ -390,6 +459,28 @@ class Bank:
 
     def __len__(self) -> int:
         return self.num_chunks
+
+    @property
+    def deleted(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` segments of every row deleted (``elasticmem.bank.forget``); their numbers
+        stay taken, no group holds them."""
+        return tuple((int(a), int(b)) for a, b in self.manifest.get("deleted", ()))
+
+    @property
+    def unpurged(self) -> tuple[tuple[int, int], ...]:
+        """Deleted rows whose text and tensors some file still holds, until a compaction purges them."""
+        return tuple((int(a), int(b)) for a, b in self.manifest.get("unpurged", ()))
+
+    def live_segments(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` segments of every row not deleted (what an unrestricted search covers)."""
+        out, at = [], 0
+        for a, b in self.deleted:
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < self.num_chunks:
+            out.append((at, self.num_chunks))
+        return tuple(out)
 
     def group_segments(self, group: str) -> tuple[tuple[int, int], ...]:
         """The ``[start, end)`` row segments of a group, in row order (one unless appended to)."""

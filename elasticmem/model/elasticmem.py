@@ -603,6 +603,10 @@ class ElasticMem(nn.Module):
         self._recent.clear()  # a group's latest chunks change with appends
         if not new.extends(self.bank):
             self._chunk_tokens.clear()  # rows of another bank
+        elif new.deleted != self.bank.deleted:  # forgotten rows: their tokens leave this process too
+            for a, b in new.deleted:
+                for r in range(a, b):
+                    self._chunk_tokens.pop(r, None)
         self.bank = new
         return True
 

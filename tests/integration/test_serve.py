@@ -6,7 +6,8 @@ One server process serves the whole module (two tenants, keys in a file, batchin
 list, ask and chat completions; tenants refused each other's groups (403) and requests without a
 key (401); malformed and oversized input (4xx with a message); batched answers equal one-at-a-time
 answers; 16 clients of two tenants adding and asking for 30 s lose no write and never see another
-group's memory. Every test uses its own memory groups, so their order does not matter.
+group's memory; a DELETE (refused to other tenants and without a key) is on disk once answered: a
+server killed by SIGKILL right after leaves a bank without the memory, in its groups and its files. Every test uses its own memory groups, so their order does not matter.
 
 Without the ``serve`` extra (FastAPI, uvicorn; httpx from ``dev``) each test that needs it skips and
 says why; ``ELASTICMEM_REQUIRE_SERVE=1`` (set by .ci/run) turns those skips into failures. The
@@ -72,10 +73,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Server:
-    require_serve_extra()
-    d = tmp_path_factory.mktemp("serve")
+def _start(d: Path) -> Server:
+    """A server on a free port over the bank ``d/bank``, answering /health (the module's settings)."""
     keys = d / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "groups": ["a/*"]},
                                 KEY_B: {"tenant": "b", "groups": ["b/*"]},
@@ -105,6 +104,14 @@ def server(tmp_path_factory) -> Server:
             proc.kill()
             pytest.fail(f"the server did not answer /health within 180 s:\n{srv.log_tail()}")
         time.sleep(0.2)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    require_serve_extra()
+    srv = _start(tmp_path_factory.mktemp("serve"))
+    proc, log = srv.proc, srv.log
     yield srv
     proc.terminate()  # SIGTERM: uvicorn's graceful shutdown, the worker finishes its queue
     try:
@@ -227,11 +234,12 @@ def test_tenants_are_refused_each_others_groups(server):
     for key in (KEY_B, KEY_SHARED):  # tenant b; tenant c, which may use a/shared only
         with server.client(key) as b:
             for r in (b.post("/v1/memory/a/secret", json=_turns(("planted", "planted"))), b.get("/v1/memory/a/secret"),
+                      b.delete("/v1/memory/a/secret"), b.delete(f"/v1/memory/a/secret?row={before[0]['row']}"),
                       b.post("/v1/ask", json=ask), b.post("/v1/chat/completions", json=chat),
                       b.post("/v1/chat/completions", json={**chat, "memory_group": None, "user": "a/secret"})):
                 assert r.status_code == 403, (key, r.status_code, r.text)
                 assert "may not read or write memory group 'a/secret'" in r.json()["error"]["message"]
-        # the refused add wrote nothing
+        # the refused add wrote nothing, the refused deletes deleted nothing
     with server.client(KEY_A) as a:
         assert _listing(a, "a/secret") == before
     with server.client(KEY_SHARED) as c:  # an exact-name grant inside another tenant's prefix works
@@ -244,7 +252,7 @@ def test_tenants_are_refused_each_others_groups(server):
         headers = {"Authorization": auth} if auth else {}
         with httpx.Client(base_url=server.url, headers=headers, timeout=60) as anon:
             for r in (anon.post("/v1/memory/a/secret", json=_turns(("x", "y"))), anon.get("/v1/memory/a/secret"),
-                      anon.post("/v1/ask", json=ask), anon.post("/v1/chat/completions", json=chat),
+                      anon.delete("/v1/memory/a/secret"), anon.post("/v1/ask", json=ask), anon.post("/v1/chat/completions", json=chat),
                       anon.get("/v1/models")):
                 assert r.status_code == 401, (key, r.status_code, r.text)
                 assert r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["message"]
@@ -495,3 +503,39 @@ def test_api_key_patterns(tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text("sk-yaml-key-0001:\n  tenant: a\n  groups: [a/*]\n")
     assert load_api_keys(path) == {"sk-yaml-key-0001": ApiKey("a", ("a/*",))}
+
+
+def test_a_delete_answered_survives_a_sigkill_of_the_server(tmp_path):
+    """DELETE by the owner: out of the listing and of every answer at once, and, once answered, on
+    disk: a server killed right after (SIGKILL, no shutdown) leaves a bank without the memory, in
+    its groups and in its files' bytes; a server started again on it does not see it either."""
+    require_serve_extra()
+    from elasticmem.bank.store import Bank
+
+    srv = _start(tmp_path)
+    try:
+        with srv.client(KEY_A) as a:
+            for i in range(3):
+                assert a.post("/v1/memory/a/forget", json=_turns((f"secret {i} is the {WORDS[i]}", f"ok {i}"))
+                              ).status_code == 200
+            chunks = _listing(a, "a/forget")
+            r = a.delete(f"/v1/memory/a/forget?row={chunks[1]['row']}")
+            assert r.status_code == 200 and r.json()["rows"] == [chunks[1]["row"]], r.text
+            assert [c["row"] for c in _listing(a, "a/forget")] == [chunks[0]["row"], chunks[2]["row"]]
+            ans = a.post("/v1/ask", json={"group": "a/forget", "question": chunks[1]["text"]}).json()
+            assert ans["memories"] and chunks[1]["row"] not in {m["row"] for m in ans["memories"]}
+            srv.proc.send_signal(signal.SIGKILL)  # right after the answer
+            srv.proc.wait(60)
+    finally:
+        srv.proc.kill()
+    bank = Bank.open(tmp_path / "bank", verify=True)
+    assert bank.group_row_ids("a/forget").tolist() == [chunks[0]["row"], chunks[2]["row"]]
+    files = b"".join(f.read_bytes() for f in (tmp_path / "bank").rglob("*") if f.is_file())
+    assert json.dumps(chunks[1]["text"])[1:-1].encode() not in files
+    assert json.dumps(chunks[2]["text"])[1:-1].encode() in files
+    again = _start(tmp_path)
+    try:
+        with again.client(KEY_A) as a:
+            assert [c["row"] for c in _listing(a, "a/forget")] == [chunks[0]["row"], chunks[2]["row"]]
+    finally:
+        again.proc.kill()

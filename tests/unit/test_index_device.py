@@ -28,7 +28,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class FakeBank:
-    """What the indexes read of a Bank: keys by row range and the groups' row segments."""
+    """What the indexes read of a Bank: keys by row range, the groups' row segments, no deleted row."""
+
+    deleted = ()
 
     def __init__(self, keys: torch.Tensor, groups: dict[str, tuple[tuple[int, int], ...]]):
         self._k, self.groups = keys, groups
@@ -46,6 +48,9 @@ class FakeBank:
 
     def extends(self, other) -> bool:
         return False
+
+    def live_segments(self) -> tuple[tuple[int, int], ...]:
+        return ((0, self.num_chunks),)
 
 
 GROUPS = {

@@ -4,7 +4,9 @@
 
 Adds land in the bank and are retrieved by the next ask, only from the asker's group; a retried
 add adds nothing; batched asks equal one-at-a-time asks; a second LiveMemory on the same folder
-sees the first one's adds after refresh(); a saved checkpoint loads with its weights.
+sees the first one's adds after refresh(); a saved checkpoint loads with its weights; a forgotten
+memory (one, a session, a group) leaves chunks() and every ask at once, here and in a second
+LiveMemory, and its text leaves the bank's files.
 """
 
 from __future__ import annotations
@@ -113,3 +115,37 @@ def test_a_second_reader_sees_adds_after_refresh_and_checkpoints_load(live, tmp_
     assert ans.memories and all(m.budget is None and m.group == "alice" for m in ans.memories)
     with pytest.raises(ValueError, match="system must be one of"):
         LiveMemory.load(bank=live.bank.root, overrides=OVERRIDES, system="amem")
+
+
+def test_forget_a_memory_a_session_and_a_group(live):
+    from elasticmem.bank.forget import MemoryNotFound
+
+    other = LiveMemory.load(bank=live.bank.root, overrides=OVERRIDES)  # a second process's view
+    adds = [live.add("erin", _session(20 + i)) for i in range(4)]  # sessions 0-3, one memory each
+    rows = [a.rows[0] for a in adds]
+    texts = {c["row"]: c["text"] for c in live.chunks("erin")}
+    assert {m.row for m in other.ask("erin", "what is the cat?").memories}  # it retrieves erin's memories
+    gone = live.forget("erin", row=rows[1])
+    assert (gone.deleted, gone.rows, gone.purged) == (1, [rows[1]], True)
+    alive = [rows[0], *rows[2:]]
+    for mem in (live, other):  # at once here, and in the other after its (automatic) refresh
+        assert [c["row"] for c in mem.chunks("erin")] == alive  # the survivors keep their ids
+        for q in ("what is the cat?", texts[rows[1]], "dog sun box"):
+            assert {m.row for m in mem.ask("erin", q).memories} <= set(alive)
+    raw = b"".join(p.read_bytes() for p in live.bank.root.rglob("*") if p.is_file())
+    assert texts[rows[1]].split("\n")[-1].encode() not in raw and texts[rows[2]].split("\n")[-1].encode() in raw
+    assert live.forget("erin", session=2).rows == [rows[2]]
+    with pytest.raises(MemoryNotFound, match="row id"):
+        live.forget("erin", row=rows[1])  # forgotten already
+    with pytest.raises(MemoryNotFound, match="row id"):
+        live.forget("erin", row=live.chunks("alice")[0]["row"])  # another group's memory
+    with pytest.raises(MemoryNotFound, match="session 7"):
+        live.forget("erin", session=7)
+    with pytest.raises(ValueError, match="not both"):
+        live.forget("erin", row=rows[0], session=0)
+    whole = live.forget("erin")
+    assert whole.rows == [rows[0], rows[3]] and "erin" not in live.groups() and live.chunks("erin") == []
+    assert other.chunks("erin") == [] and other.ask("erin", "what is the cat?").memories == []
+    with pytest.raises(MemoryNotFound, match="holds no memory"):
+        live.forget("erin")
+    assert live.chunks("alice") and live.ask("alice", "what is the cat?").memories  # other groups keep theirs

@@ -10,7 +10,9 @@ queued requests and requests in flight with Retry-After, memory quotas in rows a
 key checked before the body is read, /openapi.json and /docs behind the key, lone surrogates
 (4xx, not 500), a client that leaves (its job dropped from the queue and counted in /metrics as 499,
 not 500), one poisoned request in a batch of 8, shutdown (503), the tenants taken in turn, a memory
-of another group withheld, and finish_reason.
+of another group withheld, and finish_reason; DELETE of one memory, a session or a group by its
+tenant only (401 without a key, 403 for another tenant's group, 404 for a memory the group does not
+hold), gone from listings, answers and the bank's files, and no longer counted by the quota.
 """
 
 from __future__ import annotations
@@ -661,3 +663,52 @@ def test_every_limit_is_a_flag_with_a_docstring():
                                  "--body-timeout-s", "2.5", "--max-new-tokens-limit", "9"])
     lim = Limits(**{name: getattr(args, name) for name, *_ in flags})
     assert lim == replace(Limits(), tenant_max_rows=None, max_prompt_tokens=77, body_timeout_s=2.5, max_new_tokens=9)
+
+
+def test_delete_forgets_for_the_owner_only_and_frees_its_quota(tiny_live):
+    bank = tiny_live.bank.refresh()
+    held = sum(bank.group_size(g) for g in bank.groups if g.startswith("a/"))  # by the tests before
+    app = make_app(tiny_live, tenant_max_rows=held + 4, tenant_max_bytes=None)
+
+    async def go():
+        async with served(app) as s:
+            for i in range(3):
+                assert (await s.a.post("/v1/memory/a/del", json=_session(10 + i))).json()["added"] == 1
+            assert (await s.b.post("/v1/memory/b/del", json=_session(13))).status_code == 200
+            listed = (await s.a.get("/v1/memory/a/del")).json()["chunks"]
+            rows = [c["row"] for c in listed]
+            refused(await s.a.post("/v1/memory/a/del", json=_session(14)), 507, f"holds {held + 3} memories")
+            # no key, another tenant's key: refused, nothing deleted
+            refused(await s.anon.delete(f"/v1/memory/a/del?row={rows[0]}"), 401)
+            refused(await s.b.delete(f"/v1/memory/a/del?row={rows[0]}"), 403, "may not read or write")
+            refused(await s.a.delete("/v1/memory/a/del?row=0&session=0"), 422, "not both")
+            refused(await s.a.delete(f"/v1/memory/b/del?row={rows[0]}"), 403)
+            b_row = (await s.b.get("/v1/memory/b/del")).json()["chunks"][0]["row"]
+            refused(await s.a.delete(f"/v1/memory/a/del?row={b_row}"), 404, "no memory with row id")  # b's row
+            assert [c["row"] for c in (await s.a.get("/v1/memory/a/del")).json()["chunks"]] == rows
+            # the owner deletes one memory: gone from the listing and from every answer's memories
+            r = await s.a.delete(f"/v1/memory/a/del?row={rows[0]}")
+            assert r.status_code == 200 and r.json() == {"group": "a/del", "deleted": 1, "rows": [rows[0]],
+                                                         "purged": True}
+            assert [c["row"] for c in (await s.a.get("/v1/memory/a/del")).json()["chunks"]] == rows[1:]
+            files = b"".join(f.read_bytes() for f in tiny_live.bank.root.rglob("*") if f.is_file())
+            assert json.dumps(listed[0]["text"])[1:-1].encode() not in files  # purged from the bank's files
+            assert json.dumps(listed[1]["text"])[1:-1].encode() in files
+            for q in ("what is the cat?", listed[0]["text"]):
+                ans = (await s.a.post("/v1/ask", json=ask("a/del", q))).json()
+                assert ans["memories"] and {m["row"] for m in ans["memories"]} <= set(rows[1:])
+            refused(await s.a.delete(f"/v1/memory/a/del?row={rows[0]}"), 404, "no memory with row id")  # a retry
+            assert (await s.a.post("/v1/memory/a/del", json=_session(14))).status_code == 200  # the quota counts it
+            refused(await s.a.delete("/v1/memory/a/del?session=99"), 404, "session 99")
+            # the whole group, then nothing is left to delete or retrieve
+            r = await s.a.delete("/v1/memory/a/del")
+            assert r.status_code == 200 and r.json()["deleted"] == 3
+            assert (await s.a.get("/v1/memory/a/del")).json()["chunks"] == []
+            assert (await s.a.post("/v1/ask", json=ask("a/del", "what is the cat?"))).json()["memories"] == []
+            refused(await s.a.delete("/v1/memory/a/del"), 404, "holds no memory")
+            assert len((await s.b.get("/v1/memory/b/del")).json()["chunks"]) == 1  # b's memory stays
+            m = (await s.a.get("/metrics")).json()
+        assert m["model"]["forgets"] == 2 and m["model"]["memories_forgotten"] == 4
+        assert m["model"]["forget_errors"] == 0
+
+    run(go())

@@ -165,7 +165,7 @@ from elasticmem.config import Config, TinyModelConfig, load_config
 from elasticmem.data.schema import Example, load_split
 from elasticmem.data.synthetic import write_synthetic
 from elasticmem.data.rewards import mc_letter_reward
-from elasticmem.grpo.trainer import QuerySampler
+from elasticmem.grpo.run import QuerySampler
 from elasticmem.model.elasticmem import format_options
 
 TINY_PRESET = REPO / "configs" / "tiny.yaml"

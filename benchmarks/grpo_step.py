@@ -157,7 +157,7 @@ if str(REPO) not in sys.path:
 
 import torch
 
-import elasticmem.backbone as backbone_mod
+import elasticmem.backbone.load as backbone_load  # where load_backbone looks build_tiny_model up
 from elasticmem.backbone import RANDOM_MODELS, load_backbone, random_shape
 from elasticmem.bank import Bank, build_bank
 from elasticmem.bank.index import TorchIndex
@@ -165,7 +165,7 @@ from elasticmem.config import Config, TinyModelConfig, load_config
 from elasticmem.data.schema import Example, load_split
 from elasticmem.data.synthetic import write_synthetic
 from elasticmem.data.rewards import mc_letter_reward
-from elasticmem.grpo.trainer import QuerySampler
+from elasticmem.grpo.run import QuerySampler
 from elasticmem.model.elasticmem import format_options
 
 TINY_PRESET = REPO / "configs" / "tiny.yaml"
@@ -259,10 +259,10 @@ class Device:
 
 
 class BuildOnce:
-    """While active, ``elasticmem.backbone.build_tiny_model`` builds each (shape, tokenizer) once (the
-    random initialisation, with all CPU cores) and hands out a deep copy of that CPU model per call, so
-    ``load_backbone`` (ours and the script's) gets exactly what a rebuild with the same seed gives and
-    moves it to its device and dtype as usual. Keeps weak references to the copies it handed out, to
+    """While active, ``build_tiny_model`` (as ``elasticmem.backbone.load`` looks it up) builds each (shape,
+    tokenizer) once (the random initialisation, with all CPU cores) and hands out a deep copy of that CPU
+    model per call, so ``load_backbone`` (ours and the script's) gets exactly what a rebuild with the same
+    seed gives and moves it to its device and dtype as usual. Keeps weak references to the copies it handed out, to
     check that a finished system's model was released."""
 
     def __init__(self) -> None:
@@ -272,12 +272,12 @@ class BuildOnce:
         self.build_s = 0.0
 
     def __enter__(self) -> BuildOnce:
-        self.orig = backbone_mod.build_tiny_model
-        backbone_mod.build_tiny_model = self.build
+        self.orig = backbone_load.build_tiny_model
+        backbone_load.build_tiny_model = self.build
         return self
 
     def __exit__(self, *exc) -> None:
-        backbone_mod.build_tiny_model = self.orig
+        backbone_load.build_tiny_model = self.orig
         self.pristine.clear()
 
     def build(self, cfg, tokenizer) -> torch.nn.Module:

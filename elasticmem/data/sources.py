@@ -13,6 +13,8 @@ line, row or item, and the field. Record-level problems go through a
 counts it by reason and the loader moves on, so ``stats.json`` says what was
 skipped and why. File-level problems (not JSON at all, a missing CSV column)
 always raise: nothing could be salvaged from such a file.
+
+Why one file: every loader uses all three parts (reading helpers, split assignment, the writer).
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ history is shared between train, val and test):
 Write the splits with ``write_synthetic(cfg, seed, out_dir)``; test with::
 
     pytest tests/unit/test_synthetic.py
+
+Why one file: about half of it is the task's tables (the persona categories with their value
+pools and templates, the tiny variant's words), which only make sense beside the generator that reads them.
 """
 
 from __future__ import annotations

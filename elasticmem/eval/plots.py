@@ -166,7 +166,7 @@ def learning_curves(run: str | Path, path: str | Path | None = None, smooth: int
     """Reward (mean ± std), accuracy, mean ``B_mem`` and loss by step from ``metrics.jsonl``.
 
     ``run``: a training output directory or its ``metrics.jsonl``. Keys as logged by
-    ``elasticmem.grpo.trainer._step_metrics``: ``reward/mean``, ``reward/std``, ``accuracy``
+    ``elasticmem.grpo.metrics.step_metrics``: ``reward/mean``, ``reward/std``, ``accuracy``
     (``reward/accuracy`` accepted), ``budget/mean_B_mem``, ``loss``; greedy evaluation rows
     (``{"step", "eval": {"accuracy", ...}}``) are drawn on the accuracy panel. Faint lines are
     raw values, solid ones a moving average over ``smooth`` steps (default ~1/20 of the run).

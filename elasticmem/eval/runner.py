@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from elasticmem.data.schema import Example
 from elasticmem.eval import metrics
+from elasticmem.eval.free_form import exact_match
 from elasticmem.eval.system import MemorySystem, Prediction, fingerprint
 from elasticmem.data.rewards import mc_letter_reward, snapped_action_reward
 
@@ -54,7 +55,7 @@ def gold_and_correct(pred: Prediction, ex: Example) -> tuple[str, bool]:
     if ex.is_free_form:
         if "admissible_commands" in ex.extra:
             return str(ex.answer_text), snapped_action_reward(pred.text, ex) == 1.0
-        return str(ex.answer_text), bool(metrics.exact_match(pred.text, str(ex.answer_text)))
+        return str(ex.answer_text), bool(exact_match(pred.text, str(ex.answer_text)))
     return ex.answer_letter, mc_letter_reward(pred.text, ex) == 1.0
 
 

@@ -412,7 +412,7 @@ def test_bad_data_is_refused_at_start_in_one_error(tiny_setup, tmp_path):
 
 def test_token_cost_is_paid_by_right_answers_only():
     """train.memory_token_cost: reward - cost * B_mem where the task reward is positive."""
-    from elasticmem.grpo.trainer import _token_cost
+    from elasticmem.grpo.rollouts import token_cost as _token_cost
 
     rewards, tokens = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([4, 4, 0, 0])
     assert _token_cost(rewards, tokens, 0.0) is rewards

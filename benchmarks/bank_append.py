@@ -45,12 +45,15 @@ def _session(i: int) -> list[Turn]:
 
 
 class Counter:
-    """Bytes written through the append module's file writes, split by whether compaction wrote them."""
+    """Bytes written through the append module's file writes, split by whether compaction wrote them
+    (a context manager: the module's functions are wrapped inside ``with`` and restored after)."""
 
     def __init__(self):
         self.append = self.compaction = 0
         self._in_compaction = False
-        write, compact = append_mod._atomic_write_bytes, append_mod._compact
+
+    def __enter__(self) -> "Counter":
+        self._saved = write, compact = append_mod._atomic_write_bytes, append_mod._compact
 
         def counted_write(path, data):
             if self._in_compaction:
@@ -67,6 +70,80 @@ class Counter:
                 self._in_compaction = False
 
         append_mod._atomic_write_bytes, append_mod._compact = counted_write, counted_compact
+        return self
+
+    def __exit__(self, *exc) -> None:
+        append_mod._atomic_write_bytes, append_mod._compact = self._saved
+
+
+def _tiny_bank(root: Path):
+    """An empty bank of the tiny random model (no download) and what appending to it needs."""
+    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bank = create_bank(root, bb, ChunkingConfig(max_tokens=48), BankConfig(dir=str(root), n_cache=8), torch.float32)
+    return bank, (bb.model.get_decoder(), bb.tokenizer, bb.fingerprint)
+
+
+def kept_bytes(bank) -> int:
+    """Bytes of the shard and chunk files the bank's manifest names (what it keeps)."""
+    names = {s.file for s in bank.shards} | {c["file"] for c in bank.manifest.get("chunk_files", [])}
+    return sum(f.stat().st_size for f in bank.root.iterdir() if f.name in names)
+
+
+def measure_append(sizes: list[int], groups: int = 32, repeats: int = 40, fill_batch: int = 2000, seed: int = 0,
+                   folder: str | None = None, echo: bool = True) -> dict:
+    """Fill one tiny-model bank to each of ``sizes`` rows in turn (large appends of ``fill_batch``
+    rows) and time ``repeats`` one-chunk appends at each; see the module's docstring."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp, Counter() as counter:
+        bank, (decoder, tok, fp) = _tiny_bank(Path(folder or tmp) / "bank")
+        made = 0
+        out: dict = {"sizes": []}
+        for size in sizes:
+            t0 = time.perf_counter()
+            while bank.num_chunks < size:
+                n = min(fill_batch, size - bank.num_chunks)
+                items = [SessionAdd(f"g{(made + k) % groups}", _session(made + k)) for k in range(n)]
+                made += n
+                bank = append_sessions(bank, items, decoder, tok, fp, batch_size=64).bank
+            fill_s = time.perf_counter() - t0
+            times = []
+            for r in range(repeats + 1):
+                item = SessionAdd(f"g{rng.randrange(groups)}", _session(made))
+                made += 1
+                t0 = time.perf_counter()
+                bank = append_sessions(bank, [item], decoder, tok, fp).bank
+                if r:  # the first reads what the fill left (the per-group state) once
+                    times.append(time.perf_counter() - t0)
+            t = sorted(times)
+            row = {"rows": size, "rows_after": bank.num_chunks, "appends": len(t), "median_s": statistics.median(t),
+                   "p90_s": t[int(0.9 * (len(t) - 1))], "shards": len(bank.shards), "fill_s": fill_s}
+            out["sizes"].append(row)
+            if echo:
+                print(f"{bank.num_chunks:>8} rows: one append median {row['median_s'] * 1e3:7.1f} ms, "
+                      f"p90 {row['p90_s'] * 1e3:7.1f} ms ({len(t)} appends, {len(bank.shards)} shards; "
+                      f"filled in {fill_s:.1f} s)", file=sys.stderr, flush=True)
+        first, last = out["sizes"][0]["median_s"], out["sizes"][-1]["median_s"]
+        out.update(ratio_last_first=last / first, bytes_appended=counter.append,
+                   bytes_compaction=counter.compaction, bytes_kept=kept_bytes(bank))
+    return out
+
+
+def measure_compaction(rows: int = 4500, groups: int = 32, seed: int = 0, folder: str | None = None) -> dict:
+    """Grow an empty tiny-model bank by one-chunk appends (what a server adding one session per
+    request does) to ``rows`` rows: bytes compaction wrote, appends wrote, and the bank keeps."""
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as tmp, Counter() as counter:
+        bank, (decoder, tok, fp) = _tiny_bank(Path(folder or tmp) / "bank")
+        t0 = time.perf_counter()
+        for i in range(rows):
+            bank = append_sessions(bank, [SessionAdd(f"g{i % groups}", _session(i))], decoder, tok, fp).bank
+        kept = kept_bytes(bank)
+        return {"rows": bank.num_chunks, "appends": rows, "wall_s": time.perf_counter() - t0,
+                "shards": len(bank.shards), "bytes_appended": counter.append,
+                "bytes_compaction": counter.compaction, "bytes_kept": kept,
+                "compaction_per_kept": counter.compaction / kept,
+                "compactions": int(bank.manifest.get("build", {}).get("compactions", 0))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,52 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="bank folder (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
-    decoder, tok, fp = bb.model.get_decoder(), bb.tokenizer, bb.fingerprint
-    counter = Counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.dir or tmp) / "bank"
-        cfg = BankConfig(dir=str(root), n_cache=8)
-        bank = create_bank(root, bb, ChunkingConfig(max_tokens=48), cfg, torch.float32)
-        made = 0
-
-        def fill(to: int):
-            nonlocal bank, made
-            while bank.num_chunks < to:
-                n = min(args.fill_batch, to - bank.num_chunks)
-                items = [SessionAdd(f"g{(made + k) % args.groups}", _session(made + k)) for k in range(n)]
-                made += n
-                bank = append_sessions(bank, items, decoder, tok, fp, batch_size=64).bank
-
-        def timed() -> list[float]:
-            nonlocal bank, made
-            times = []
-            for r in range(args.repeats + 1):
-                item = SessionAdd(f"g{rng.randrange(args.groups)}", _session(made))
-                made += 1
-                t0 = time.perf_counter()
-                bank = append_sessions(bank, [item], decoder, tok, fp).bank
-                if r:  # the first reads what the fill left (the per-group state) once
-                    times.append(time.perf_counter() - t0)
-            return times
-
-        results = {}
-        for size in (args.small, args.large):
-            fill(size)
-            results[size] = timed()
-            t = sorted(results[size])
-            print(f"{bank.num_chunks:>8} rows: one append median {statistics.median(t) * 1e3:7.1f} ms, "
-                  f"p90 {t[int(0.9 * (len(t) - 1))] * 1e3:7.1f} ms ({len(t)} appends, {len(bank.shards)} shards)",
-                  flush=True)
-        small, large = (statistics.median(results[s]) for s in (args.small, args.large))
-        kept = sum(f.stat().st_size for f in root.iterdir()
-                   if f.name.startswith(("shard-", "chunks-")) and f.name in
-                   {s.file for s in bank.shards} | {c["file"] for c in bank.manifest.get("chunk_files", [])})
-        print(f"ratio large/small (median): {large / small:.2f}")
-        print(f"bytes written: appends {counter.append}, compaction {counter.compaction}; the bank's shard and chunk "
-              f"files hold {kept}: compaction wrote {counter.compaction / kept:.2f} bytes per byte kept")
+    r = measure_append([args.small, args.large], args.groups, args.repeats, args.fill_batch, args.seed, args.dir)
+    print(f"ratio large/small (median): {r['ratio_last_first']:.2f}")
+    print(f"bytes written: appends {r['bytes_appended']}, compaction {r['bytes_compaction']}; the bank's shard and "
+          f"chunk files hold {r['bytes_kept']}: compaction wrote {r['bytes_compaction'] / r['bytes_kept']:.2f} bytes "
+          "per byte kept")
     return 0
 
 

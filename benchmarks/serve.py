@@ -56,7 +56,8 @@ def _free_port() -> int:
 class ServerProcess:
     """``python -m elasticmem.serve`` in a child process, its output in a log file."""
 
-    def __init__(self, args: argparse.Namespace, bank: Path, system: str, batching: bool, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, bank: Path, system: str, batching: bool, log: Path,
+                 extra: list[str] | tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -67,7 +68,7 @@ class ServerProcess:
             cmd += ["--checkpoint", args.checkpoint]
         cmd += ["--max-batch", str(args.max_batch), "--batch-window-ms", str(args.batch_window_ms)] if batching \
             else ["--no-batching"]
-        cmd += ["model.device=cpu", *args.overrides]
+        cmd += [*extra, "model.device=cpu", *args.overrides]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.server_threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=str(REPO))
         self.t0 = time.perf_counter()
@@ -123,16 +124,17 @@ def locomo_workload(path: Path, conversations: int, sessions: int,
     return preload, mixed
 
 
-async def _drive(url: str, requests: list[dict], concurrency: int) -> tuple[float, list[float], list[dict]]:
-    """Send ``requests`` with ``concurrency`` clients; wall seconds, each request's latency and the
-    server's per-stage seconds of each answer."""
+async def _drive(url: str, requests: list[dict], concurrency: int, headers: dict[str, str] | None = None,
+                 timeout: float = 600.0) -> tuple[float, list[float], list[dict]]:
+    """Send ``requests`` with ``concurrency`` clients (``headers`` on each, e.g. an API key; ``timeout``
+    seconds for each); wall seconds, each request's latency and the server's per-stage seconds of each answer."""
     import httpx
 
     latencies: list[float] = []
     stages: list[dict] = []
     todo = iter(requests)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers=headers) as client:
 
         async def one_client() -> None:
             for body in todo:  # a shared iterator: each client takes the next request when free

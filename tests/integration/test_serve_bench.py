@@ -1,0 +1,70 @@
+"""The load and abuse benchmark (benchmarks/serve_abuse.py) at its smallest scale, on the tiny model.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/integration/test_serve_bench.py     # ~40 s on 2 loaded cores
+
+Runs the benchmark once as its README says (a real server process, every scenario: load at 1 and
+2 clients, tenant a flooding while tenant b measures, appends at 1k rows, compaction over 100
+one-session appends) and checks that its JSON has every section with sane values: the requests of
+every level and of b answered, latency percentiles ordered (p50 <= p95 <= p99), the flooder's
+requests adding up (sent = answered + refused + unfinished, some of them refused with 429 and some
+with 413), and the append and compaction figures positive, with the acceptance ratios computed from
+them. It checks the benchmark reports, not the acceptance figures (which a loaded 2-core machine
+cannot promise). Skips, saying why, without the ``serve`` extra, like tests/integration/test_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from serve_support import require_serve_extra
+
+
+def _ordered(s: dict) -> None:
+    assert 0 < s["p50_s"] <= s["p95_s"] <= s["p99_s"], s
+
+
+@pytest.mark.slow
+def test_serve_abuse_benchmark_smallest_scale(tmp_path):
+    require_serve_extra()
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/serve_abuse.py", "--config", "configs/tiny.yaml", "--clients", "1,2",
+           "--requests", "4", "--flood-requests", "4", "--append-sizes", "1000", "--append-repeats", "3",
+           "--compaction-rows", "100", "--tenant-max-in-flight", "8", "--tenant-max-queued", "8", "--max-batch", "4",
+           "--flood-extra", "2", "--flood-ramp-s", "0.5", "--workdir", str(tmp_path / "work"), "--out", str(out),
+           "model.tiny.char_fallback=true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+
+    load = d["server"]["load"]
+    assert [lv["clients"] for lv in load] == [1, 2]
+    for lv in load:
+        assert lv["requests"] == 4 and lv["requests_per_s"] > 0
+        _ordered(lv)
+
+    f = d["server"]["flood"]
+    for name in ("b_unloaded", "b_flooded"):
+        assert f[name]["requests"] == 4
+        _ordered(f[name])
+    assert f["p95_ratio"] == f["b_flooded"]["p95_s"] / f["b_unloaded"]["p95_s"]
+    a = f["a"]
+    assert a["sent"] == a["answered"] + sum(a["refused"].values()) + a["unfinished"], a
+    assert a["answered"] > 0 and a["refused"].get("429", 0) > 0 and a["refused"].get("413", 0) > 0, a
+    assert f["a_clients"] == 8 + 2
+    m = f["maximal_request"]
+    assert m["max_new_tokens"] == 256 and m["probes"][-1]["status"] == 200
+
+    ap, co = d["append"], d["compaction"]
+    assert [s["rows"] for s in ap["sizes"]] == [1000] and ap["sizes"][0]["appends"] == 3
+    assert ap["sizes"][0]["rows_after"] == 1000 + 3 + 1
+    assert 0 < ap["sizes"][0]["median_s"] <= ap["sizes"][0]["p90_s"] and ap["ratio_last_first"] == 1.0
+    assert co["rows"] == 100 and co["bytes_kept"] > 0 and co["bytes_appended"] > 0
+    assert co["compaction_per_kept"] == co["bytes_compaction"] / co["bytes_kept"] >= 0
+    assert set(d["acceptance"]) == {"flood_p95_ratio", "append_ratio", "compaction_per_kept"}
+    assert "| clients | requests | req/s |" in r.stdout and "tenant a:" in r.stdout

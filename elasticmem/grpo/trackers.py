@@ -5,17 +5,42 @@ its folder (``train.output_dir``, beside metrics.jsonl, unless ``WANDB_DIR`` say
 its mode: what ``WANDB_MODE`` says when set, else offline when no API key is known (neither
 ``WANDB_API_KEY`` nor a ``~/.netrc`` login to the W&B host), so a run never waits on a login
 prompt or a network it does not have; ``wandb sync DIR/wandb/offline-run-*`` uploads it later.
+A resumed run continues the same W&B run: its id is kept in ``train.output_dir/wandb_run_id``.
 """
 
 from __future__ import annotations
 
 import netrc
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 WANDB_HOST = "https://api.wandb.ai"
+RUN_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(output_dir: str | Path) -> str:
+    """The W&B run id of the training run in ``output_dir``: made by its first start, read back
+    by every resume. Every process calls this; the first to create the file wins (``O_EXCL``) and
+    all read its id, so the ranks never disagree."""
+    path = Path(output_dir) / RUN_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex[:12])
+    for _ in range(100):  # another process may have created it and not yet written its 12 characters
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+        time.sleep(0.05)
+    raise RuntimeError(f"{path} is empty: delete it to start a new W&B run")
 
 
 def wandb_logged_in(env: dict[str, str] | None = None) -> bool:
@@ -40,7 +65,8 @@ def tracker_init_kwargs(cfg, env: dict[str, str] | None = None) -> dict[str, dic
     env = os.environ if env is None else env
     kwargs: dict[str, dict[str, Any]] = {}
     if "wandb" in cfg.train.trackers:
-        wb: dict[str, Any] = {"config": to_dict(cfg), "name": Path(cfg.train.output_dir).name}
+        wb: dict[str, Any] = {"config": to_dict(cfg), "name": Path(cfg.train.output_dir).name,
+                              "id": wandb_run_id(cfg.train.output_dir), "resume": "allow"}
         if not env.get("WANDB_DIR"):
             wb["dir"] = str(cfg.train.output_dir)
         if not env.get("WANDB_MODE") and not wandb_logged_in(env):

@@ -1,5 +1,8 @@
 """Every setting of elasticmem, as dataclasses with one docstring per field.
 
+Why one file: it is the one place every setting and its documentation are written (``--help``,
+``scripts/gen_config_docs.py`` and docs/configuration.md read it), and ``Config`` nests every section.
+
 YAML files in ``configs/`` are presets over these defaults; any key can be
 overridden on the command line as ``section.key=value``. Run any entry point
 with ``--help`` to list all keys with their documentation, e.g.::
@@ -10,9 +13,6 @@ This module is the ground floor of the package (tests/unit/test_import_layers.py
 section's dataclass lives here, with the variant tuples and limits its checks need, and it
 imports no feature module (nor torch). The feature modules import their settings from here
 (``elasticmem.model.budget_policy`` re-exports ``BudgetPolicyConfig``, for instance).
-
-Why one file: it is the one place every setting and its documentation are written (``--help``,
-``scripts/gen_config_docs.py`` and docs/configuration.md read it), and ``Config`` nests every section.
 """
 
 from __future__ import annotations

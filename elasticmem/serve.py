@@ -1,5 +1,8 @@
 """HTTP server over a live memory (``elasticmem.live.LiveMemory``): tenants add turns and ask questions.
 
+Why one file (for now): keys, limits, the batching worker and the routes share one app state;
+the split into auth / worker / app modules is issue 38's next step.
+
     pip install 'elasticmem[serve]'
     elasticmem-serve --checkpoint runs/train/quickstart/final --bank runs/bank/live \\
         --api-keys keys.json [--port 8000] [key=value ...]      # or: python -m elasticmem.serve ...

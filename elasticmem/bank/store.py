@@ -1,5 +1,8 @@
 """Open a built bank: manifest, memory-mapped shards, chunk texts.
 
+Why one file: the manifest, its journal and the ``Bank`` that replays them are one on-disk
+format and one commit protocol; readers and writers must agree on every line of it.
+
 Shards are safetensors files read through ``safe_open``, which maps them: a
 10 GB bank opens in milliseconds and only the rows you touch are read.
 Opening checks that every shard exists with its recorded size (a cheap test

@@ -1,5 +1,8 @@
 """A synthetic multi-session memory task, deterministic by seed, no download.
 
+Why one file: about half of it is the task's tables (the persona categories with their value
+pools and templates, the tiny variant's words), which only make sense beside the generator that reads them.
+
 Two variants share one config (``SyntheticConfig``) and one output format
 (the example schema of ``elasticmem.data.schema``, split by history so no
 history is shared between train, val and test):
@@ -36,9 +39,6 @@ history is shared between train, val and test):
 Write the splits with ``write_synthetic(cfg, seed, out_dir)``; test with::
 
     pytest tests/unit/test_synthetic.py
-
-Why one file: about half of it is the task's tables (the persona categories with their value
-pools and templates, the tiny variant's words), which only make sense beside the generator that reads them.
 """
 
 from __future__ import annotations

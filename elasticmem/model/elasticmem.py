@@ -1,5 +1,9 @@
 """The ElasticMem model: one ``nn.Module`` holding the LoRA reasoner, budget policy and projector.
 
+Why one file (for now): every step of a trajectory reads the same module state (the LoRA
+reasoner and its adapter switch, the bank, policy and projector); moving trajectories, retrieval
+and generation into modules of their own is issue 38's next step.
+
 A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
 
 1. the reasoner reads prompt(q) and draws a retrieval-control token a; the query

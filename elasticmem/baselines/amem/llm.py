@@ -1,5 +1,8 @@
 """LLM backends for A-Mem and the wrapper that turns their outputs into validated JSON.
 
+Why one file: both backends implement the one protocol that ``StructuredLLM`` wraps and share its
+statistics; the local backend's constrained decoding is the bulk (a candidate for its own module).
+
 Backends implement ``generate(requests, temperature, seed) -> [Completion]`` for a batch of
 chat requests, plus token counting:
 
@@ -17,9 +20,6 @@ chat requests, plus token counting:
 (sampled), and after ``json_retries`` uses a caller-given fallback, which is counted and logged,
 never silent. ``LLMStats`` keeps calls, attempts, valid answers, fallbacks, tokens and seconds
 per kind of call (note, decision, expansion, answer).
-
-Why one file: both backends implement the one protocol that ``StructuredLLM`` wraps and share its
-statistics; the local backend's constrained decoding is the bulk (a candidate for its own module).
 """
 
 from __future__ import annotations

@@ -167,14 +167,29 @@ def _config_keys() -> set[str]:
     return set(_dotted_keys(Config))
 
 
+def _open_quote(line: str) -> bool:
+    """Whether a shell line ends inside a quoted string (its command goes on on the next line)."""
+    try:
+        shlex.split(line)
+    except ValueError:
+        return True
+    return False
+
+
 def _commands(text: str) -> list[str]:
     """``python ...``, ``bash ...`` and ``accelerate launch ...`` commands in code blocks and code spans."""
     cmds = []
     for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
+        pending = ""
         for line in block.replace("\\\n", " ").split("\n"):
-            line = line.split(" #")[0].strip()
-            if line:
-                cmds.append(line)
+            if not pending:
+                line = line.split(" #")[0]
+            pending = f"{pending} {line.strip()}".strip()
+            if pending and not _open_quote(pending):  # a quoted argument may span lines
+                cmds.append(pending)
+                pending = ""
+        if pending:
+            cmds.append(pending)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     cmds += re.findall(r"`((?:[A-Z_]+=\S+ )*(?:python|bash|accelerate launch) [^`]+)`", prose)
     return [c for c in cmds if re.match(r"(?:[A-Z_]+=\S+\s+)*(?:python|bash|accelerate launch)\s", c)]

@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
 
     from elasticmem.backbone import Backbone, load_backbone
     from elasticmem.bank import Bank, build_bank
-    from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig, ModelConfig, TinyModelConfig
+    from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig, BackboneConfig, TinyModelConfig
     from elasticmem.data.synthetic import SyntheticConfig, generate
     from elasticmem.model.elasticmem import ElasticMem
 
@@ -100,7 +100,7 @@ def child(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     shape = TinyModelConfig(**{**QWEN25_05B, "num_layers": args.layers}, max_position_embeddings=32768)
-    bb = load_backbone(ModelConfig(name_or_path="tiny", tiny=shape, device=args.device))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", tiny=shape, device=args.device))
     bb.model.resize_token_embeddings(args.vocab, mean_resizing=False)
     bb = Backbone(bb.model, bb.tokenizer, "tiny")
     data = generate(SyntheticConfig(variant="tiny", num_histories=2, num_facts=4, num_options=4), seed=0)

@@ -76,8 +76,8 @@ def main(argv=None) -> None:
             firsts.append(dataclasses.replace(ex, history=[turns]))
         if len(firsts) == args.conversations:
             break
-    backbone = load_backbone(cfg.model)
-    print(f"{len(firsts)} conversations x {args.turns} turns, {cfg.model.name_or_path}, "
+    backbone = load_backbone(cfg.backbone)
+    print(f"{len(firsts)} conversations x {args.turns} turns, {cfg.backbone.name_or_path}, "
           f"{torch.get_num_threads()} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     off, on = f"{args.compare}=off", f"{args.compare}=on"
     times: dict[str, list[float]] = {off: [], on: []}

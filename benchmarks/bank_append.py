@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elasticmem.backbone import load_backbone  # noqa: E402
 from elasticmem.bank import append as append_mod  # noqa: E402
 from elasticmem.bank.append import SessionAdd, append_sessions, create_bank  # noqa: E402
-from elasticmem.config import BankConfig, ChunkingConfig, ModelConfig  # noqa: E402
+from elasticmem.config import BankConfig, ChunkingConfig, BackboneConfig  # noqa: E402
 from elasticmem.data.schema import Turn  # noqa: E402
 
 WORDS = "cat dog sun box cup hat key map pen bed car egg fox owl".split()
@@ -78,7 +78,7 @@ class Counter:
 
 def _tiny_bank(root: Path):
     """An empty bank of the tiny random model (no download) and what appending to it needs."""
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     bank = create_bank(root, bb, ChunkingConfig(max_tokens=48), BankConfig(dir=str(root), n_cache=8), torch.float32)
     return bank, (bb.model.get_decoder(), bb.tokenizer, bb.fingerprint)
 

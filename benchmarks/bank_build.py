@@ -36,7 +36,7 @@ absolute numbers. Nothing is hard-coded.
    (the CPU default, from the timed runs) and float16 (the GPU default, one
    extra build, its time reported as a single run).
 
-   ``--models`` takes ``model.name_or_path`` values or ``SHAPE-random`` (``qwen2.5-3b-random``:
+   ``--models`` takes ``backbone.name_or_path`` values or ``SHAPE-random`` (``qwen2.5-3b-random``:
    random weights in Qwen2.5-3B's decoder shape, ``elasticmem.backbone.RANDOM_SHAPES``, with the
    tiny tokenizer; no download), on ``--device`` (default auto: CUDA where present, where the
    timed cache dtype is float16, and the peak GPU memory of the builder and ceiling runs is
@@ -108,7 +108,7 @@ import torch  # noqa: E402
 from elasticmem.bank import builder as B  # noqa: E402
 from elasticmem.bank.index import build_index  # noqa: E402
 from elasticmem.bank.store import CHUNKS, MANIFEST, Bank  # noqa: E402
-from elasticmem.config import IndexConfig, MemoryConfig, ModelConfig, load_config  # noqa: E402
+from elasticmem.config import BackboneConfig, IndexConfig, MemoryConfig, load_config  # noqa: E402
 from elasticmem.data.chunking import chunk_history  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402
 
@@ -618,7 +618,7 @@ def real_queries(bank_dir: str, data_dir: str, nq: int, seed: int) -> tuple[torc
 
     bank = Bank.open(bank_dir)
     name = bank.manifest["encoder"]["name_or_path"]
-    backbone = load_backbone(ModelConfig(name_or_path=name, device="cpu"))
+    backbone = load_backbone(BackboneConfig(name_or_path=name, device="cpu"))
     bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
     examples = [ex for split in ("train", "val", "test") if (Path(data_dir) / f"{split}.jsonl").is_file()
                 for ex in load_split(data_dir, split)]
@@ -921,8 +921,8 @@ def summary_text(report: dict[str, Any], k: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"],
-                   help="backbones to build with (model.name_or_path values, or e.g. qwen2.5-3b-random)")
-    p.add_argument("--device", default="auto", help="model.device of the builder section (auto: CUDA if present)")
+                   help="backbones to build with (backbone.name_or_path values, or e.g. qwen2.5-3b-random)")
+    p.add_argument("--device", default="auto", help="backbone.device of the builder section (auto: CUDA if present)")
     p.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"),
                    help="preset giving data.synthetic, chunking and bank settings")
     p.add_argument("--max-chunks", type=int, default=0, help="cap the corpus (whole histories; 0 = all)")

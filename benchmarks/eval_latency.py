@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         set_seed(cfg.seed)
         systems[name] = build_system(cfg, ov + extra)
     examples = load_split(cfg.data.dir, cfg.eval.split)[: args.examples]
-    print(f"{len(examples)} examples of {cfg.data.dir}/{cfg.eval.split}, model {cfg.model.name_or_path}, "
+    print(f"{len(examples)} examples of {cfg.data.dir}/{cfg.eval.split}, model {cfg.backbone.name_or_path}, "
           f"Z={cfg.memory.top_z}, B_max={cfg.memory.policy.max_budget}, batch {args.batch}, "
           f"checkpoint {cfg.eval.checkpoint}, threads {torch.get_num_threads()}", file=sys.stderr)
 

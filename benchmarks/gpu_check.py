@@ -144,10 +144,10 @@ def _task_config(args: argparse.Namespace, work: Path):
     from elasticmem.config import load_config
 
     root = work / "task"
-    over = [f"data.dir={root}/data", f"bank.dir={root}/bank", f"model.device={args.device}",
+    over = [f"data.dir={root}/data", f"bank.dir={root}/bank", f"backbone.device={args.device}",
             "data.synthetic.num_histories=24"]
     if not args.dry_run:
-        over += [f"model.tiny.{k}={v}" for k, v in QWEN25_05B.items()]
+        over += [f"backbone.tiny.{k}={v}" for k, v in QWEN25_05B.items()]
     return load_config(REPO / "configs/tiny.yaml", over), over
 
 
@@ -166,7 +166,7 @@ def _task(args: argparse.Namespace, work: Path):
     if not (root / "data" / "test.jsonl").is_file():
         write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
     examples = {s: load_split(cfg.data.dir, s) for s in cfg.bank.splits}
-    backbone = load_backbone(cfg.model)
+    backbone = load_backbone(cfg.backbone)
     build_bank(examples, backbone, cfg.chunking, cfg.bank, resolve_cache_dtype(cfg.bank.cache_dtype,
                                                                                backbone.device), show_progress=False)
     del backbone
@@ -200,7 +200,7 @@ def stage_deepspeed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         visible = [x for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
         n = int(args.device[5:])
         env["CUDA_VISIBLE_DEVICES"] = visible[n] if n < len(visible) else str(n)
-        over = [o if not o.startswith("model.device=") else "model.device=cuda" for o in over]
+        over = [o if not o.startswith("backbone.device=") else "backbone.device=cuda" for o in over]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_cfg),
            "--main_process_port", str(_free_port()), "train.py", "--config", "configs/tiny.yaml", *over,
            f"train.output_dir={out}", f"train.max_steps={steps}", "train.batch_size=4", "train.group_size=4",
@@ -336,7 +336,7 @@ def stage_amem_local(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     cfg, _ = _task_config(args, work)
     # any text tokenizes (the tiny preset's word-only vocabulary cannot spell the notes' JSON)
-    backbone = load_backbone(dataclasses.replace(cfg.model, tiny=dataclasses.replace(cfg.model.tiny,
+    backbone = load_backbone(dataclasses.replace(cfg.backbone, tiny=dataclasses.replace(cfg.backbone.tiny,
                                                                                      char_fallback=True)))
     backend = TransformersBackend(backbone.model, backbone.tokenizer, batch_size=4)
     llm = StructuredLLM(backend)

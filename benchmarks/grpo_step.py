@@ -25,8 +25,8 @@ hashes the weights (the bank fingerprint, 3 times), so at 3B most of a run is se
 Device (``--device``): ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto`` (CUDA if available). Both
 systems run on it, one after another in this process. On CUDA the chosen GPU is made the only visible one
 (``CUDA_VISIBLE_DEVICES``, set before CUDA starts: TRL's Trainer always takes ``cuda:0`` and refuses
-several visible GPUs) and the model is in bfloat16 for both (``model.dtype=auto``): our trainer gets
-``model.device=cuda`` and its ``train.mixed_precision=auto`` (bf16 autocast); TRL gets the script's backbone
+several visible GPUs) and the model is in bfloat16 for both (``backbone.dtype=auto``): our trainer gets
+``backbone.device=cuda`` and its ``train.mixed_precision=auto`` (bf16 autocast); TRL gets the script's backbone
 (already on the GPU in bf16; the Trainer's ``model.to(cuda:0)`` is then a no-op), ``use_cpu=False`` and
 ``bf16=True`` (bf16 autocast). Both add LoRA with PEFT's default (adapter weights in float32, their
 matmuls in bf16 under the autocast). On ``cpu`` the GPUs are hidden (and ``ACCELERATE_USE_CPU`` set),
@@ -166,7 +166,7 @@ from elasticmem.data.schema import Example, load_split
 from elasticmem.data.synthetic import write_synthetic
 from elasticmem.data.rewards import mc_letter_reward
 from elasticmem.grpo.run import QuerySampler
-from elasticmem.model.elasticmem import format_options
+from elasticmem.model.prompt import format_options
 
 TINY_PRESET = REPO / "configs" / "tiny.yaml"
 # RANDOM_MODELS: the tiny preset's model with another shape (elasticmem.backbone.RANDOM_SHAPES)
@@ -194,7 +194,7 @@ def select_device(spec: str) -> str:
     """'cpu' or 'cuda' for ``--device``. Must run before anything starts CUDA: on CUDA it makes the
     chosen GPU the only visible one (TRL's Trainer always takes cuda:0 and refuses several visible
     GPUs, our trainer's accelerator takes the current one), on CPU it hides the GPUs (our trainer
-    would otherwise take one: it follows torch.cuda.is_available(), not model.device)."""
+    would otherwise take one: it follows torch.cuda.is_available(), not backbone.device)."""
     if spec == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["ACCELERATE_USE_CPU"] = "true"  # also honoured by our trainer and TRL, should CUDA be up already
@@ -566,12 +566,12 @@ PAPER_MEMORY = ["bank.key=last", "bank.kv_cache=false", "memory.retrieval=contro
 
 
 def tiny_overrides(preset: TinyModelConfig, shape: TinyModelConfig) -> list[str]:
-    """``model.tiny.*`` overrides that turn the preset's tiny model into ``shape``."""
+    """``backbone.tiny.*`` overrides that turn the preset's tiny model into ``shape``."""
     out = []
     for f in dataclasses.fields(shape):
         v = getattr(shape, f.name)
         if v != getattr(preset, f.name):
-            out.append(f"model.tiny.{f.name}={v if isinstance(v, str) else json.dumps(v)}")
+            out.append(f"backbone.tiny.{f.name}={v if isinstance(v, str) else json.dumps(v)}")
     return out
 
 
@@ -597,10 +597,10 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
     shape_overrides: list[str] = []
     if name in RANDOM_MODELS:
         # the preset's tiny model (tokenizer settings, seed) with a released model's decoder shape
-        tiny = dataclasses.replace(random_shape(name.removesuffix("-random"), seed=cfg.model.tiny.seed),
-                                   char_fallback=cfg.model.tiny.char_fallback, vocabulary=cfg.model.tiny.vocabulary)
-        shape_overrides = tiny_overrides(cfg.model.tiny, tiny)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tiny=tiny))
+        tiny = dataclasses.replace(random_shape(name.removesuffix("-random"), seed=cfg.backbone.tiny.seed),
+                                   char_fallback=cfg.backbone.tiny.char_fallback, vocabulary=cfg.backbone.tiny.vocabulary)
+        shape_overrides = tiny_overrides(cfg.backbone.tiny, tiny)
+        cfg = dataclasses.replace(cfg, backbone=dataclasses.replace(cfg.backbone, tiny=tiny))
         assert load_config(str(preset), shape_overrides).model.tiny == tiny, shape_overrides
     B, G = args.batch, args.group
     steps = args.tiny_steps if name == "tiny" else args.steps
@@ -611,7 +611,7 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
     root = workdir / name
     t_load = time.perf_counter()
     try:
-        backbone = load_backbone(dataclasses.replace(cfg.model, device=dev.kind))
+        backbone = load_backbone(dataclasses.replace(cfg.backbone, device=dev.kind))
     except FileNotFoundError as e:
         log(f"[{name}] skipped: {e}")
         return None
@@ -640,7 +640,7 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
         f"{mean([p['memory_tokens'] for p in prompts]):.1f} of them chunk text")
 
     common = [
-        f"seed={cfg.seed}", f"model.device={dev.kind}", *shape_overrides, f"data.dir={data_dir}",
+        f"seed={cfg.seed}", f"backbone.device={dev.kind}", *shape_overrides, f"data.dir={data_dir}",
         f"memory.top_z={Z}", f"train.max_steps={steps}", f"train.batch_size={B}", f"train.group_size={G}",
         *PAPER_MEMORY,
         f"train.micro_batch_size={micro}", "train.num_iterations=1", "train.temperature=1.0",
@@ -680,7 +680,7 @@ def _bench_model(name: str, args, workdir: Path, dev: Device, builds: BuildOnce)
         "model": name, "params_M": n_params / 1e6, "B": B, "G": G, "top_z": Z, "steps": steps,
         "micro_batch_size": micro, "device": dev.kind, "device_name": dev.name, "dtype": dtype_name,
         "model_builds": builds.builds, "model_copies": builds.copies, "model_build_s": builds.build_s,
-        "shape": dataclasses.asdict(cfg.model.tiny) if cfg.model.name_or_path == "tiny" else None,
+        "shape": dataclasses.asdict(cfg.backbone.tiny) if cfg.backbone.name_or_path == "tiny" else None,
         "settings": {"max_new_tokens": d.max_new_tokens,
                      "lora": {**dataclasses.asdict(d.lora), "target_modules": lora_targets(cfg)},
                      "retrieval": d.retrieval, "default_policy": d.policy.variant,

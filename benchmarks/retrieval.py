@@ -95,7 +95,7 @@ def _model(cfg, mode: str, top_z: int, checkpoint: str | None, retrieval_map: st
     from elasticmem.systems import memory_config
     from elasticmem.model.elasticmem import ElasticMem
 
-    backbone = load_backbone(cfg.model)
+    backbone = load_backbone(cfg.backbone)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     run_cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, system="elasticmem", checkpoint=checkpoint))
     mem = memory_config(run_cfg, [f"memory.retrieval={mode}", f"memory.top_z={top_z}"]
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         exs = load_split(cfg.data.dir, split)
         examples += exs[: args.limit] if args.limit else exs
     print(f"{len(examples)} questions of {cfg.data.dir}/{'+'.join(args.splits)}, bank {cfg.bank.dir}, "
-          f"model {cfg.model.name_or_path}, ks {args.ks}, checkpoint {args.checkpoint}, "
+          f"model {cfg.backbone.name_or_path}, ks {args.ks}, checkpoint {args.checkpoint}, "
           f"threads {torch.get_num_threads()}, maps {args.maps}", file=sys.stderr)
     modes = args.modes or default_modes(cfg.bank.dir)
     result = measure(cfg, examples, modes, args.ks, args.checkpoint, args.batch,
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"config": args.config, "overrides": args.overrides, "data_dir": cfg.data.dir, "bank_dir": cfg.bank.dir,
-                "model": cfg.model.name_or_path, "splits": args.splits, "checkpoint": args.checkpoint,
+                "model": cfg.backbone.name_or_path, "splits": args.splits, "checkpoint": args.checkpoint,
                 "maps": args.maps, "bank_key": result.get("bank_key"),
                 "limit": args.limit, "wall_s": wall}
         with open(args.out, "w") as f:

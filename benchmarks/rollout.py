@@ -17,7 +17,7 @@ the CPU, then moved and cast); the time is printed and recorded (``load_seconds`
 two use ``--repeats`` rounds.
 
 ``--device``: ``cpu`` (default), ``cuda``, ``cuda:1``, or ``auto`` (CUDA if available). The
-compute dtype is ``model.dtype: auto``'s: bfloat16 on CUDA, float32 on CPU.
+compute dtype is ``backbone.dtype: auto``'s: bfloat16 on CUDA, float32 on CPU.
 
 Prints, per model, trajectories/s of
 

@@ -7,7 +7,7 @@
 What it measures, per rollout kind (``sample``: ``model.sample(batch, group_size=G)``;
 ``greedy``: ``model.greedy`` over the same N = B*G trajectories, each query repeated G
 times), each in a fresh Python process: the tiny random Qwen2 model
-(``model.name_or_path=tiny``) with its vocabulary resized to ``--vocab`` (rows past the
+(``backbone.name_or_path=tiny``) with its vocabulary resized to ``--vocab`` (rows past the
 tokenizer's are random, unused by the text), a bank over the histories of the B synthetic
 queries, ElasticMem with ``max_new_tokens=T`` (untrained LoRA, policy, projector). With the
 model, bank and inputs ready, the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``
@@ -66,13 +66,13 @@ def child(args: argparse.Namespace) -> dict:
 
     from elasticmem.backbone import Backbone, load_backbone
     from elasticmem.bank import Bank, build_bank
-    from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig
+    from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, BackboneConfig
     from elasticmem.data.synthetic import SyntheticConfig, generate
     from elasticmem.model.elasticmem import ElasticMem
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     bb.model.resize_token_embeddings(args.vocab, mean_resizing=False)
     bb = Backbone(bb.model, bb.tokenizer, "tiny")
     data = generate(SyntheticConfig(variant="tiny", num_histories=args.batch, num_facts=4, num_options=4), seed=0)

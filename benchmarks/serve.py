@@ -3,7 +3,7 @@
     python -m elasticmem.backbone fetch smollm2                     # once
     python benchmarks/serve.py --out runs/bench/serve.json         # SmolLM2 on CPU, c = 1, 8, 32 (~5 min, 2 cores)
     python benchmarks/serve.py --requests 16 --concurrency 1,8 --systems elasticmem    # a quick look
-    python benchmarks/serve.py --config configs/tiny.yaml model.tiny.char_fallback=true   # the tiny model
+    python benchmarks/serve.py --config configs/tiny.yaml backbone.tiny.char_fallback=true   # the tiny model
 
 Starts the real server (``python -m elasticmem.serve``, one process, ``--threads 1`` and
 ``OMP_NUM_THREADS=1``) once per (system, batching) pair: ``elasticmem`` (latent memories) and
@@ -68,7 +68,7 @@ class ServerProcess:
             cmd += ["--checkpoint", args.checkpoint]
         cmd += ["--max-batch", str(args.max_batch), "--batch-window-ms", str(args.batch_window_ms)] if batching \
             else ["--no-batching"]
-        cmd += [*extra, "model.device=cpu", *args.overrides]
+        cmd += [*extra, "backbone.device=cpu", *args.overrides]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.server_threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=str(REPO))
         self.t0 = time.perf_counter()

@@ -1,11 +1,11 @@
 """Load and abuse benchmark of the memory server (issue 40): throughput, a flooding tenant, append and compaction.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --config configs/tiny.yaml --out runs/bench/serve_abuse.json \\
-        model.tiny.char_fallback=true                                   # the tiny random model (~5 min, 2 cores)
+        backbone.tiny.char_fallback=true                                   # the tiny random model (~5 min, 2 cores)
     OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --scenario flood --flood-requests 3 --flood-timeout-s 120 \
         memory.retrieval_map=null             # SmolLM2 (the default preset, no trained map), flood only (~8 min)
     OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --config configs/tiny.yaml --clients 1,2 --requests 4 \\
-        --flood-requests 4 --append-sizes 1000 --append-repeats 3 --compaction-rows 100 model.tiny.char_fallback=true
+        --flood-requests 4 --append-sizes 1000 --append-repeats 3 --compaction-rows 100 backbone.tiny.char_fallback=true
                                                                         # the smoke test's scale (seconds)
 
 Loopback only, bounded in requests and time. ``--scenario`` (comma-separated, default ``all``) picks:

@@ -45,7 +45,7 @@ Measured per shape:
    entry is written once beforehand with the streamed value. Median of
    ``--lookup-repeats``.
 3. **Real start-up** (shapes whose weights fit ``--real-max-gb``, i.e. 0.5b):
-   ``load_backbone`` (``model.device=cpu``, ``model.dtype=auto`` = float32)
+   ``load_backbone`` (``backbone.device=cpu``, ``backbone.dtype=auto`` = float32)
    then ``.fingerprint``, timed apart: *before* = ``ELASTICMEM_FINGERPRINT_CACHE=off``
    (the behaviour without the cache), *cold* = cache on but empty (hash + write
    the entry; once), *after* = warm cache. ``--repeats`` interleaved rounds of
@@ -84,7 +84,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 import elasticmem.backbone as bbmod  # noqa: E402
-from elasticmem.config import ModelConfig  # noqa: E402
+from elasticmem.config import BackboneConfig  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, vocab_size=151936,
@@ -244,7 +244,7 @@ def streamed_fingerprint(folder: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def cached_lookup(path: str, cfg: ModelConfig, dtype: torch.dtype) -> str | None:
+def cached_lookup(path: str, cfg: BackboneConfig, dtype: torch.dtype) -> str | None:
     """What a start with a warm cache does: the identity before and after loading, then the entry."""
     key = bbmod.weights_identity(path, cfg, dtype)
     assert bbmod.weights_identity(path, cfg, dtype) == key
@@ -266,7 +266,7 @@ def bench_shape(shape: str, args, workdir: Path, tokenizer, tok_name: str) -> di
         f"disk used {_du(folder) / 1e9:.2f} GB")
     res: dict[str, Any] = {"shape": shape, **info, "weight_gb": weight_gb}
     path = str(folder)
-    cfg = ModelConfig(name_or_path=path, device="cpu")
+    cfg = BackboneConfig(name_or_path=path, device="cpu")
     dtype = bbmod.resolve_dtype(cfg.dtype, torch.device("cpu"))
 
     # 1. computed, streamed from the files
@@ -314,7 +314,7 @@ def _du(path: Path) -> int:
 
 
 def real_startup(shape: str, path: str, streamed: str, args) -> dict[str, Any]:
-    cfg = ModelConfig(name_or_path=path, device="cpu")
+    cfg = BackboneConfig(name_or_path=path, device="cpu")
 
     def start(mode: str) -> dict[str, Any]:
         os.environ[bbmod.FINGERPRINT_CACHE_ENV] = mode

@@ -17,7 +17,9 @@ imports no feature module (nor torch). The feature modules import their settings
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, get_args
 
@@ -29,7 +31,7 @@ ConfigError = configuration.ConfigError
 
 @dataclass
 class TinyModelConfig:
-    """A random Qwen2 model small enough for tests (``model.name_or_path=tiny``)."""
+    """A random Qwen2 model small enough for tests (``backbone.name_or_path=tiny``)."""
 
     hidden_size: int = 64
     """Model width d."""
@@ -55,7 +57,7 @@ class TinyModelConfig:
 
 
 @dataclass
-class ModelConfig:
+class BackboneConfig:
     """The base causal LM (the frozen bank encoder and, with LoRA, the reasoner)."""
 
     name_or_path: str = "tiny"
@@ -251,7 +253,7 @@ class IndexConfig:
     save: bool = True
     """Write approximate indexes to index.faiss in the bank folder and reuse them."""
     gpu: bool = False
-    """Search 'flat' and 'ivf' indexes on the GPU (faiss-gpu; model.device's GPU, else GPU 0),
+    """Search 'flat' and 'ivf' indexes on the GPU (faiss-gpu; backbone.device's GPU, else GPU 0),
     copied there at the first unrestricted search. Searches restricted to a group multiply the
     group's keys (moved at each search) on that GPU too."""
 
@@ -584,7 +586,7 @@ class TextMemoryConfig:
 
     api_base: str = ""
     """OpenAI-compatible endpoint (up to /v1) the library's LLM calls and the answers go to; '' =
-    start one in this process serving model.name_or_path (elasticmem.baselines.openai_server), so
+    start one in this process serving backbone.name_or_path (elasticmem.baselines.openai_server), so
     the run is offline on the base model."""
     model: str = "local"
     """Model name sent to the endpoint."""
@@ -743,7 +745,9 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     """Advantages and the clipped objective."""
     use_memory: bool = True
-    """False trains the reasoner with nothing retrieved (top_z = 0): the no-memory control."""
+    """Deprecated in 0.2 (read for one more release): false is ``memory.top_z=0``, the one way to
+    train, warm up or evaluate with nothing retrieved (the no-memory control); a config that sets
+    it false is read as ``memory.top_z=0``, with a warning."""
     log_every: int = 1
     """Write a metrics.jsonl line every N rollout steps."""
     log_rollouts: int = 2
@@ -1017,7 +1021,7 @@ class AMemLLMConfig:
     HF folder, a cached hub id such as Qwen/Qwen2.5-3B-Instruct, or a .gguf file).
     'openai': any OpenAI-compatible chat-completions server (vLLM, SGLang, Ollama, OpenAI)."""
     model: str = "smollm2"
-    """transformers: model.name_or_path of the local model. openai: the model name the server serves."""
+    """transformers: backbone.name_or_path of the local model. openai: the model name the server serves."""
     device: str = "auto"
     """transformers only: 'auto', 'cpu', 'cuda', 'cuda:1', ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -1146,8 +1150,9 @@ class Config:
 
     seed: int = 0
     """Global seed (data generation, index training, later training)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The base language model."""
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    """The base language model (the bank's encoder and the reasoner). Called ``model`` up to 0.1:
+    ``model.*`` keys (presets, overrides, saved checkpoints) still load, with a warning, in 0.2."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prepared dataset."""
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
@@ -1170,6 +1175,16 @@ class Config:
     """The supervised reading warm-up (python -m elasticmem.warmup.reading)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """ALFWorld episodes (eval.task=alfworld)."""
+
+    def __post_init__(self) -> None:
+        if not self.train.use_memory:  # 0.1's spelling of memory.top_z=0
+            warnings.warn("train.use_memory=false is memory.top_z=0 now (the one way to say 'no memory'); "
+                          "the old key is read for one more release", FutureWarning, stacklevel=3)
+            self.memory = dataclasses.replace(self.memory, top_z=0)
+            self.train = dataclasses.replace(self.train, use_memory=True)
+
+
+Config.__renamed__ = {"model": "backbone"}  # old section name -> new (read with a warning for one release)
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -187,7 +187,7 @@ class LiveMemory:
         cfg.eval.checkpoint = str(checkpoint) if checkpoint is not None else None
         if bank is not None:
             cfg.bank.dir = str(bank)
-        dev = torch.device(device or (cfg.model.device if cfg.model.device != "auto" else
+        dev = torch.device(device or (cfg.backbone.device if cfg.backbone.device != "auto" else
                                       ("cuda" if torch.cuda.is_available() else "cpu")))
         answerer = build_system(cfg, overrides, device=dev, create_bank=True)
         return cls(answerer.model, system, batch_size, max_turn_chars, answerer=answerer)

@@ -201,12 +201,12 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     if cfg.eval.system in ("mem0", "langmem"):
         from elasticmem.baselines.textmem import LangMemSystem, Mem0System
 
-        return (Mem0System if cfg.eval.system == "mem0" else LangMemSystem)(cfg.textmem, cfg.amem, cfg.model,
+        return (Mem0System if cfg.eval.system == "mem0" else LangMemSystem)(cfg.textmem, cfg.amem, cfg.backbone,
                                                                              memory=cfg.memory)
     from elasticmem.bank import Bank, build_index
     from elasticmem.model.elasticmem import ElasticMem
 
-    backbone = load_backbone(cfg.model, device=device)
+    backbone = load_backbone(cfg.backbone, device=device)
     stream = cfg.eval.stream != "off"
     if stream and stream_dir is None:
         raise ValueError("eval.stream needs the folder of the streamed bank (stream_dir)")

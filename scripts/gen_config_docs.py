@@ -29,7 +29,7 @@ presets) set a few of the keys below over the dataclass defaults of `elasticmem/
 
 Override any key on the command line with its dotted name, e.g.
 `python train.py --config configs/quickstart.yaml train.lr=1e-5 memory.top_z=8`.
-Values are parsed as YAML (`bank.splits=[train,val]`, `model.revision=null`) and checked against
+Values are parsed as YAML (`bank.splits=[train,val]`, `backbone.revision=null`) and checked against
 the key's type; an unknown key is an error naming the closest valid one. Every entry point prints
 the resolved config and saves it next to its output (`config.yaml`); `--help` lists the same keys.
 

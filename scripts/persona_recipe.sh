@@ -12,7 +12,7 @@
 # OUT/map.safetensors: the retrieval map (MAP=1, the default: a residual MLP on the layer-mean query
 # states and keys, trained once on the training questions; MAP=0: none). Per seed S, under OUT/sS/:
 #   elasticmem/{warmup,train}  the recipe: the reading warm-up (with the policy's supervised start), then GRPO
-#   no_memory/{warmup,train}   the same recipe with nothing retrieved (train.use_memory=false): the control
+#   no_memory/{warmup,train}   the same recipe with nothing retrieved (memory.top_z=0): the control
 #   text/{warmup,train}        the same recipe with the memories as text (memory.injection=text)
 #   ladder/                    the reading ladder of elasticmem/train/final on the test split (CAPS: the cost
 #                              dial, on the first seed), with no_memory_trained/ and text_trained/ beside its rungs
@@ -55,7 +55,7 @@ has() { case " $ARMS " in *" $1 "*) return 0 ;; esac; return 1; }
 arm_args() {  # the config overrides of one arm
   case "$1" in
     elasticmem) ;;
-    no_memory) echo "train.use_memory=false warmup.retrieval_weight=0 warmup.budget_weight=0 train.loss.retrieval_weight=0 train.memory_token_cost=0" ;;
+    no_memory) echo "memory.top_z=0 warmup.retrieval_weight=0 warmup.budget_weight=0 train.loss.retrieval_weight=0 train.memory_token_cost=0" ;;
     text) echo "memory.injection=text warmup.budget_weight=0" ;;
     *) echo "unknown arm $1" >&2; exit 2 ;;
   esac

@@ -31,9 +31,9 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 @pytest.fixture(scope="session")
 def tiny_backbone():
     from elasticmem.backbone import load_backbone
-    from elasticmem.config import ModelConfig
+    from elasticmem.config import BackboneConfig
 
-    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    return load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
 
 
 def smollm2_dir() -> Path | None:
@@ -54,9 +54,9 @@ def smollm2_backbone():
     if smollm2_dir() is None:
         pytest.skip("SmolLM2 not cached (python -m elasticmem.backbone fetch smollm2)")
     from elasticmem.backbone import load_backbone
-    from elasticmem.config import ModelConfig
+    from elasticmem.config import BackboneConfig
 
-    return load_backbone(ModelConfig(name_or_path="smollm2", device="cpu"))
+    return load_backbone(BackboneConfig(name_or_path="smollm2", device="cpu"))
 
 
 def make_examples(n_groups: int = 3, seed: int = 0, questions_per_group: int = 2):

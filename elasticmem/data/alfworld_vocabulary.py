@@ -1,6 +1,6 @@
 """The words of ALFWorld's text games, for the tiny test model's word-level tokenizer.
 
-``model.tiny.vocabulary=alfworld`` adds these to the tiny tokenizer (``elasticmem.backbone``), so
+``backbone.tiny.vocabulary=alfworld`` adds these to the tiny tokenizer (``elasticmem.backbone``), so
 that commands, observations and objectives tokenize as words rather than ``<unk>``: the 109
 object and receptacle types of ALFWorld (``alfworld.gen.constants`` OBJECTS and RECEPTACLES,
 lower-cased as the text engine writes them), the words of its commands, feedback and goal

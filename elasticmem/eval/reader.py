@@ -26,8 +26,9 @@ from torch import nn
 
 from elasticmem.config import MemoryConfig
 from elasticmem.data.schema import Example
-from elasticmem.model.elasticmem import decode_answers, decoding_config, encode_prompt, eos_token_ids, generate_answers
+from elasticmem.model.generation import decode_answers, decoding_config, eos_token_ids, generate_answers
 from elasticmem.model.injection import Layout, assemble, left_pad
+from elasticmem.model.prompt import encode_prompt
 
 
 @dataclass

@@ -42,8 +42,8 @@ from torch import Tensor
 from elasticmem.config import ADVANTAGE_SCALES, LOSS_TYPES, LossConfig  # noqa: F401  (re-exported)
 from elasticmem.utils.common import require as _require
 
-if TYPE_CHECKING:  # only for annotations: the model module pulls in the bank and peft
-    from elasticmem.model.elasticmem import ScoreOutput, Trajectories
+if TYPE_CHECKING:  # only for annotations
+    from elasticmem.model.trajectories import ScoreOutput, Trajectories
 
 _EPS = 1e-8
 """Added to the std floor in the advantage denominator (DESIGN.md)."""

@@ -14,7 +14,7 @@ import torch
 from elasticmem.grpo.rollouts import token_cost
 
 if TYPE_CHECKING:
-    from elasticmem.model.elasticmem import Trajectories
+    from elasticmem.model.trajectories import Trajectories
 
 
 class LossLog:

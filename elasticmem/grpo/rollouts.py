@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from elasticmem.data.schema import Example
+from elasticmem.model.trajectories import Trajectories
 
 if TYPE_CHECKING:
     from elasticmem.config import TrainConfig
-    from elasticmem.model.elasticmem import Trajectories
 
 
 def token_cost(rewards: torch.Tensor, memory_tokens: torch.Tensor, cost: float) -> torch.Tensor:
@@ -49,8 +50,6 @@ def sample_rollouts(step: int, traj: Trajectories, batch: Sequence[Example], rew
 
 def save_rollout(root: Path, step: int, rank: int, traj: Trajectories) -> None:
     """Record one process's rollout batch (tensors as safetensors, the rest as JSON)."""
-    from safetensors.torch import save_file
-
     root.mkdir(parents=True, exist_ok=True)
     items = vars(traj).items()
     save_file({k: v.contiguous() for k, v in items if isinstance(v, torch.Tensor)},
@@ -66,10 +65,6 @@ def load_rollout(root: Path, step: int, rank: int, world: int, batch: Sequence[E
     out in the same global order the sampler uses, so ``world`` processes with batch B
     replay what one process with batch ``world * B`` recorded (and vice versa).
     """
-    from safetensors.torch import load_file
-
-    from elasticmem.model.elasticmem import Trajectories
-
     files = sorted(root.glob(f"step{step:06d}_rank*.safetensors"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
     if not files:
         raise FileNotFoundError(f"no recorded rollout for step {step} in {root}")

@@ -8,7 +8,6 @@ last checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -214,16 +213,16 @@ def setup(cfg: Config) -> Run:
 
 
 def _build_model(cfg: Config, acc) -> tuple[torch.nn.Module, Any, Any]:
-    """The trained system on the frozen backbone, with its bank; and the memory config it got
-    (``cfg.memory`` with ``top_z = 0`` when ``train.use_memory`` is off)."""
+    """The trained system on the frozen backbone, with its bank; and its memory config
+    (``cfg.memory``: ``memory.top_z=0`` trains the no-memory control)."""
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_index
     from elasticmem.model.elasticmem import ElasticMem
 
     t = cfg.train
-    backbone = load_backbone(cfg.model, device=acc.device)
+    backbone = load_backbone(cfg.backbone, device=acc.device)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-    mem_cfg = cfg.memory if t.use_memory else dataclasses.replace(cfg.memory, top_z=0)
+    mem_cfg = cfg.memory
     index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if t.system == "memgen":
         from elasticmem.baselines.memgen import MemGen

@@ -80,7 +80,7 @@ def write_model_card(folder: str | Path, *, base_model: str, config: dict[str, A
         "The base model's weights are not here: they are loaded from the base model below and must match "
         "its fingerprint. The latent memory bank is a separate folder (`bank.dir`).\n",
         "## Base model\n",
-        f"`{base_model}` (`model.name_or_path`), dtype `{config.get('model', {}).get('dtype')}`.\n",
+        f"`{base_model}` (`backbone.name_or_path`), dtype `{config.get('backbone', {}).get('dtype')}`.\n",
         "## Data\n",
         f"`data.dir`: `{data.get('dir')}`"
         + (" (" + ", ".join(f"{s} {n} questions" for s, n in splits.items()) + ")" if splits else "")
@@ -144,7 +144,7 @@ def write_run_card(folder: str | Path, cfg, step: int, metrics_path: str | Path,
     from elasticmem.utils.configuration import to_dict
 
     metrics, evaluation = logged_rows(metrics_path, step)
-    return write_model_card(folder, base_model=cfg.model.name_or_path, config=to_dict(cfg),
+    return write_model_card(folder, base_model=cfg.backbone.name_or_path, config=to_dict(cfg),
                             data=data_summary(cfg.data.dir), metrics=metrics, step=step, stage=stage,
                             load_path=str(load_path) if load_path is not None else None,
                             config_path=str(config_path) if config_path is not None else None,

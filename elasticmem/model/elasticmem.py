@@ -1,8 +1,9 @@
 """The ElasticMem model: one ``nn.Module`` holding the LoRA reasoner, budget policy and projector.
 
-Why one file (for now): every step of a trajectory reads the same module state (the LoRA
-reasoner and its adapter switch, the bank, policy and projector); moving trajectories, retrieval
-and generation into modules of their own is issue 38's next step.
+Its records are in ``trajectories.py``, the prompt's text in ``prompt.py``, generation and token
+log-probabilities in ``generation.py``; this file is the module whose state every step of a
+trajectory reads (the LoRA reasoner and its adapter switch, the bank, the policy and projector).
+Why it is over 600 lines: its methods are the trajectory's steps, and each reads that same state.
 
 A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
 
@@ -34,11 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -51,145 +51,21 @@ from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
-from elasticmem.model.injection import Assembled, KVPiece, Layout, assemble, attention_bias, left_pad
+from elasticmem.model.generation import (
+    decode_answers,
+    decoding_config,
+    eos_token_ids,
+    generate_answers,
+    read_only,
+    token_logps,
+)
+from elasticmem.model.injection import Assembled, KVPiece, Layout, assemble, left_pad
 from elasticmem.model.projector import Projector, select_last_valid
+from elasticmem.model.prompt import encode_prompt
+from elasticmem.model.trajectories import ScoreOutput, Trajectories
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "elasticmem_config.json"
-
-
-@dataclass
-class Trajectories:
-    """N = B * G trajectories; tensors on CPU. Padded slots: rows -1, mask False, budgets 0."""
-
-    example_ids: list[str]
-    query_index: torch.Tensor
-    """[N] which query of the batch (0..B-1); trajectories of one query are contiguous."""
-    prompt_ids: list[list[int]]
-    suffix_ids: list[list[int]]
-    groups: list[str]
-    control: torch.Tensor
-    """[N] control token a, -1 in modes without one."""
-    rows: torch.Tensor
-    """[N, Z] retrieved bank rows, rank order; -1 where the group had fewer than Z chunks."""
-    scores: torch.Tensor
-    """[N, Z] cosine scores (0 at missing slots)."""
-    mask: torch.Tensor
-    """[N, Z] bool, True where a memory was retrieved."""
-    budgets: torch.Tensor
-    """[N, Z] long, sampled budgets b_j (0 at missing slots)."""
-    soft_counts: torch.Tensor
-    """[N, Z] long, soft tokens injected per memory: min(b_j, cache_len_j) (after clipping in greedy)."""
-    answer_ids: torch.Tensor
-    """[N, T] generated tokens, pad after the first EOS."""
-    answer_mask: torch.Tensor
-    """[N, T] bool, True up to and including the first EOS."""
-    answers: list[str]
-    """Decoded answers (without EOS)."""
-    logp_control: torch.Tensor
-    """[N] log pi(a | prompt) at temperature tau (0 without a control token)."""
-    logp_budget: torch.Tensor
-    """[N, Z] log pi_phi(b_j) (0 at missing slots)."""
-    entropy_budget: torch.Tensor
-    """[N, Z] entropy of each budget distribution (0 at missing slots)."""
-    logp_answer: torch.Tensor
-    """[N, T] log-probs of answer tokens at the answer temperature (0 where answer_mask is False, and
-    everywhere in greedy rollouts: evaluation does not use them, so they are not computed)."""
-    query_state: torch.Tensor
-    """[N, d_h] the retrieval query state h (detached)."""
-    answer_temperature: float
-    control_temperature: float
-    greedy: bool
-    num_tokens: torch.Tensor
-    """[N] #Tok = task-text tokens (prompt, a, suffix) + injected soft tokens + separators + generated tokens."""
-    memory_tokens: torch.Tensor
-    """[N] injected soft tokens, sum_j soft_counts (B_mem as injected)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds of the batch's phases: 'retrieval' (prompt encoding, query states, search), 'policy'
-    (budget allocation), 'generation' (projection, injection, decoding)."""
-    budget_actions: bool = True
-    """False when no policy chose the budgets (text injection): no budget term in the loss."""
-    retrieved_rows: torch.Tensor | None = None
-    """[N, Z] the rows retrieval gave before ``include_rows`` put the evidence among them
-    (``teacher_forced``; None elsewhere): what the reasoner would have found by itself."""
-
-    def __len__(self) -> int:
-        return len(self.example_ids)
-
-    def memories(self, i: int) -> list[tuple[int, float, int | None, int]]:
-        """Trajectory i's memories as (bank row, score, budget, tokens added), rank order; budget
-        None for text injection."""
-        latent = self.budget_actions
-        return [(r, float(self.scores[i, j]), int(self.budgets[i, j]) if latent else None,
-                 int(self.soft_counts[i, j])) for j, r in enumerate(self.rows[i].tolist()) if r >= 0]
-
-    def select(self, idx: Sequence[int] | torch.Tensor) -> "Trajectories":
-        """The trajectories at ``idx`` (every per-trajectory field sliced, the rest kept)."""
-        idx_t = torch.as_tensor(idx, dtype=torch.long)
-        n, out = len(self), {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
-                out[f.name] = v[idx_t]
-            elif isinstance(v, list) and len(v) == n:
-                out[f.name] = [v[i] for i in idx_t.tolist()]
-            else:
-                out[f.name] = v
-        return type(self)(**out)
-
-    @staticmethod
-    def concat(parts: Sequence["Trajectories"]) -> "Trajectories":
-        """Join trajectory batches (same Z); answers are right-padded to the longest."""
-        T = max(p.answer_ids.shape[1] for p in parts)
-        out = {}
-        cls = type(parts[0])
-        for f in fields(cls):
-            vals = [getattr(p, f.name) for p in parts]
-            if isinstance(vals[0], torch.Tensor) and vals[0].dim() > 0:
-                if f.name in ("answer_ids", "answer_mask", "logp_answer"):
-                    vals = [torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in vals]
-                out[f.name] = torch.cat(vals)
-            elif isinstance(vals[0], list):
-                out[f.name] = [x for v in vals for x in v]
-            else:
-                out[f.name] = vals[0]
-        offsets = torch.tensor([0] + [int(p.query_index.max()) + 1 for p in parts[:-1]]).cumsum(0)
-        out["query_index"] = torch.cat([p.query_index + o for p, o in zip(parts, offsets)])
-        return cls(**out)
-
-
-@dataclass
-class ScoreOutput:
-    logp_control: torch.Tensor
-    """[N] (0 without a control token)."""
-    logp_budget: torch.Tensor
-    """[N, Z]"""
-    entropy_budget: torch.Tensor
-    """[N, Z]"""
-    logp_answer: torch.Tensor
-    """[N, T] (0 where answer_mask is False)"""
-    query_state: torch.Tensor | None = None
-    """[N, d_h] the retrieval query state h, with gradients to the adapter in the modes that
-    compute it with the reasoner (control, query_only); None in the others."""
-
-
-def format_options(choices: Sequence[str]) -> str:
-    return "\n".join(f"({chr(ord('a') + i)}) {c}" for i, c in enumerate(choices))
-
-
-def format_suffix(template: str, ex: Example) -> str:
-    """suffix(u) of one example: ``template`` with {options} (one "(a) text" line per choice),
-    {question}, and any string field of ``ex.extra`` (e.g. an agent step's recent actions and
-    admissible commands) filled in."""
-    fields = {k: v for k, v in ex.extra.items() if isinstance(v, str)}
-    fields.update(options=format_options(ex.choices), question=ex.question)
-    try:
-        return template.format(**fields)
-    except KeyError as e:
-        raise ValueError(
-            f"memory.suffix_template names {{{e.args[0]}}}, which example {ex.id!r} does not have; "
-            f"it has {sorted(fields)}"
-        ) from None
 
 
 class ElasticMem(nn.Module):
@@ -350,7 +226,7 @@ class ElasticMem(nn.Module):
                 m._gradient_checkpointing_func = self._same_adapter_state(m._gradient_checkpointing_func)
             if self.rotary is not None and hasattr(m, "_can_checkpoint_with_cache"):
                 # KV memories reach the layers as a cache, which transformers drops from checkpointed
-                # layers unless they only read it: ``score`` hands them a read-only one (``_read_only``)
+                # layers unless they only read it: ``score`` hands them a read-only one (``read_only``)
                 m._can_checkpoint_with_cache = True
         self._checkpointing = kwargs
 
@@ -412,7 +288,7 @@ class ElasticMem(nn.Module):
     def _key_like_states(self, questions: list[str]) -> torch.Tensor:
         """[B, d] query states of retrieval 'mean' / 'layer_mean' (the question tokenised as the
         bank's chunks, pooled like its keys) and 'prompt' (last state of memory.query_template)."""
-        from elasticmem.bank.builder import key_states
+        from elasticmem.bank.encoding import key_states
         from elasticmem.data.chunking import tokenize_chunks
 
         mode, tok = self.cfg.retrieval, self.bank.manifest["tokenization"]
@@ -898,7 +774,7 @@ class ElasticMem(nn.Module):
         N = len(traj.example_ids)
         answers = [traj.answer_ids[i][traj.answer_mask[i]].tolist() for i in range(N)]
         x = self._assemble(self.trajectory_layouts(traj, answers))
-        H, _ = self._forward_hidden(**_read_only(x).forward_kwargs(), use_cache=False)
+        H, _ = self._forward_hidden(**read_only(x).forward_kwargs(), use_cache=False)
         ar = torch.arange(N, device=device)
         if mode == "control":
             logp_control = self._token_logps(H[ar, x.query_pos - 1], traj.control, traj.control_temperature)
@@ -995,271 +871,3 @@ class ElasticMem(nn.Module):
         self._load_adapter(path)
         self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
         self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
-
-
-def encode_prompt(tokenizer, cfg: MemoryConfig, ex: Example) -> tuple[list[int], list[int]]:
-    """Token ids of prompt(q) and suffix(u) of one example under ``cfg``'s templates: what every
-    system that answers through ElasticMem's prompt reads around its memories."""
-    suffix = format_suffix(cfg.suffix_template, ex)
-    if cfg.prompt_template == "raw":
-        return tokenizer(ex.question)["input_ids"], tokenizer(suffix, add_special_tokens=False)["input_ids"]
-    # Chat: render the template around a placeholder and cut there, so the user turn holds
-    # the question, then (after a and the memories) the options, then the assistant prompt.
-    marker = "\u0000"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                         add_generation_prompt=True)
-    before, after = text.split(marker)
-    return (tokenizer(before + ex.question, add_special_tokens=False)["input_ids"],
-            tokenizer(suffix + after, add_special_tokens=False)["input_ids"])
-
-
-def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
-    """Every token that ends an answer: the model's generation config's EOS ids and the tokenizer's."""
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
-LOGIT_CHUNK_ELEMENTS = 2**26
-"""Logits (rows x vocabulary) one chunk of ``token_logps`` holds: 256 MB in float32 (441 rows of
-Qwen2.5's 152k vocabulary)."""
-
-
-def token_logps(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                chunk_elements: int | None = None, recompute: dict | None = None) -> torch.Tensor:
-    """``log_softmax(head(h) / temperature)[target]`` of each row: ``h`` [M, d], ``targets`` [M] -> [M] float32.
-
-    The target's logit minus the row's logsumexp, over chunks of at most ``chunk_elements``
-    logits (None: ``LOGIT_CHUNK_ELEMENTS``), so the [M, V] logits (in the head's dtype, their
-    float32 copy, the scaled copy and the log-softmax: ~10 GB at the warm-up reconstruction's
-    16 x 257 rows of a 152k vocabulary) never exist at once. With gradients, autograd still
-    keeps each chunk's float32 logits for backward unless ``recompute`` (``torch.utils.checkpoint``'s
-    kwargs, e.g. ``{"use_reentrant": False}``) recomputes them there, one chunk at a time, from
-    the chunk's rows of ``h``.
-    """
-    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-    rows = max(1, (chunk_elements or LOGIT_CHUNK_ELEMENTS) // vocab)
-
-    def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
-        z = head(hc).float()
-        if temperature != 1.0:
-            z = z / temperature
-        return z.gather(-1, tc[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
-
-    if h.shape[0] <= rows:  # one chunk: nothing to bound by recomputing it
-        return chunk(h, targets)
-    out = []
-    for a in range(0, h.shape[0], rows):
-        hc, tc = h[a : a + rows], targets[a : a + rows]
-        if recompute is not None and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            out.append(checkpoint(chunk, hc, tc, **recompute))
-        else:
-            out.append(chunk(hc, tc))
-    return torch.cat(out)
-
-
-def _read_only(x: Assembled) -> Assembled:
-    """``x`` with its KV memory cache (if any) made read-only: each layer's ``update`` returns the
-    memory slots followed by the call's keys and values and stores nothing, so that a layer
-    recomputed under activation checkpointing reads the same memories as its first pass (an
-    appending cache would hold the text tokens twice by then). For scoring (``use_cache=False``:
-    nothing reads the grown cache afterwards)."""
-    if x.cache is not None:
-        for layer in x.cache.layers:
-            layer.update = functools.partial(_prepend_memories, layer)
-    return x
-
-
-def _prepend_memories(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-    return torch.cat([layer.keys, keys], -2), torch.cat([layer.values, values], -2)
-
-
-def decoding_config(cfg: MemoryConfig, tokenizer, eos_ids: list[int], temperature: float, greedy: bool):
-    """Sampling from softmax(logits / temperature) and nothing else (argmax when ``greedy``).
-
-    Every knob of transformers' ``generate`` that changes which token is drawn, or with
-    what probability, is set to its off value (``DECODING_OFF``). Unset (None) fields would
-    not stay unset: ``generate`` fills them from ``model.generation_config`` (a checkpoint's
-    own: Qwen2.5 top_k 20, top_p 0.8, repetition_penalty 1.05; others suppress_tokens,
-    bad_words_ids, ...) and then from transformers' defaults (top_k 50); ``generate_answers`` runs
-    with a blank model config (``_blank_model_generation_config``) so the off values that
-    are None stay None. The recorded log-probs are then of the distribution sampled from.
-    """
-    from transformers import GenerationConfig
-
-    off = dict(DECODING_OFF)
-    if greedy:  # warpers are only built when sampling; top_k=0 would draw a warning about that
-        off["top_k"] = None
-    return GenerationConfig(
-        **off, max_new_tokens=cfg.max_new_tokens, do_sample=not greedy,
-        temperature=1.0 if greedy else temperature,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
-        return_dict_in_generate=False,
-    )
-
-
-def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in: Assembled, eos_ids: list[int],
-                     pad_id: int, temperature: float, greedy: bool):
-    """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature.
-
-    Greedy rollouts (evaluation) do no log-prob work: their ``logp_answer`` is 0, nothing
-    reads it. Sampled rollouts gather the drawn token's log-prob step by step
-    (``_answer_logp_hooks``), so at most one step's [N, V] log-softmax is alive, instead of
-    ``output_logits``' T steps of [N, V] float32 plus a stacked copy and a log-softmax of it
-    (0.6 GB each at N=64, T=16, V=152k). ``benchmarks/rollout_memory.py`` measures it.
-    """
-    if batch_in.cache is not None:
-        return _generate_with_cache(base, generation_config.max_new_tokens, batch_in, eos_ids, pad_id, temperature,
-                                    greedy)
-    hooks = {}
-    if not greedy:
-        record, gather, steps = _answer_logp_hooks(temperature)
-        hooks = dict(logits_processor=[record], stopping_criteria=[gather])
-    with _blank_model_generation_config(base):
-        # With inputs_embeds and no input_ids, a decoder-only generate returns the new tokens only.
-        ids = lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
-                          generation_config=generation_config, **hooks)
-    T = ids.shape[1]
-    if greedy:
-        logp = torch.zeros(ids.shape)
-    else:  # generate may run a step it then undoes (deferred stop check on mps): keep T
-        logp = torch.stack(steps[:T], 1).cpu()
-    ids = ids.cpu()
-    eos = torch.isin(ids, torch.tensor(eos_ids, dtype=ids.dtype))
-    after_eos = (eos.cumsum(-1) - eos.long()) > 0  # strictly after the first EOS
-    mask = ~after_eos
-    ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
-    return ids, mask, torch.where(mask, logp, torch.zeros_like(logp))
-
-
-def _generate_with_cache(base: nn.Module, max_new_tokens: int, x: Assembled, eos_ids: list[int], pad_id: int,
-                         temperature: float, greedy: bool):
-    """``generate_answers`` for an input that starts from a KV cache (memory.content=kv).
-
-    transformers' ``generate`` cannot continue from a cache whose slots sit at positions of our
-    choosing behind a custom 4D mask, so this is its sampling loop written out for the one case
-    used here: plain sampling from softmax(logits / temperature), or argmax, with nothing else
-    (``DECODING_OFF``), stopping at EOS or ``max_new_tokens``; rows that ended get ``pad_id``
-    while the others continue, and the loop stops once every row has ended, as ``generate`` does.
-    Returns (ids [N, T], mask up to the first EOS, log-probs of the drawn tokens at the
-    temperature; zeros when greedy).
-    """
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    out = decoder(**x.forward_kwargs(), use_cache=True)
-    cache = out.cache
-    h = out.last_hidden_state[:, -1]
-    valid = torch.cat([x.past_valid, x.text_valid], 1)
-    pos = x.position_ids[:, -1] + 1
-    N, device = h.shape[0], h.device
-    eos = torch.tensor(eos_ids, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)
-    ids, logps = [], []
-    for _ in range(max_new_tokens):
-        logits = head(h).float()
-        if greedy:
-            tok = logits.argmax(-1)
-            logps.append(torch.zeros(N, device=device))
-        else:
-            logp = torch.log_softmax(logits / temperature, -1)
-            tok = torch.multinomial(logp.exp(), 1).squeeze(1)
-            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        ids.append(tok)
-        done = done | torch.isin(tok, eos)
-        if bool(done.all()) or len(ids) == max_new_tokens:
-            break
-        valid = torch.cat([valid, torch.ones(N, 1, dtype=torch.bool, device=device)], 1)
-        mask = valid[:, None, None, :]
-        if x.attention_mask.dtype != torch.bool:  # the eager attention's additive form, as assemble made it
-            mask = attention_bias(mask, x.embeds.dtype)
-        out = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
-                      use_cache=True)
-        cache, h, pos = out.cache, out.last_hidden_state[:, -1], pos + 1
-    ids_t, logp = torch.stack(ids, 1).cpu(), torch.stack(logps, 1).cpu()
-    is_eos = torch.isin(ids_t, torch.tensor(eos_ids, dtype=ids_t.dtype))
-    mask = ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
-    ids_t = torch.where(mask, ids_t, torch.full_like(ids_t, pad_id))
-    return ids_t, mask, torch.where(mask, logp, torch.zeros_like(logp))
-
-
-def decode_answers(tokenizer, ids: torch.Tensor, mask: torch.Tensor, eos_ids: list[int]) -> list[str]:
-    """The answer text of each row of ``generate_answers``' tokens [N, T]: up to the first EOS, stripped."""
-    ends = torch.isin(ids, torch.tensor(eos_ids, dtype=ids.dtype))
-    return [tokenizer.decode(row[m], skip_special_tokens=True).strip() for row, m in zip(ids, mask & ~ends)]
-
-
-# Every GenerationConfig field that transformers 5's generate reads to pick the next token, at
-# its off value. Enumerated from GenerationMixin._get_logits_processor (processors and, when
-# sampling, warpers), GenerationConfig.get_generation_mode (beam / contrastive / DoLa / assisted
-# decoding instead of plain sampling or greedy) and GenerationMixin._get_stopping_criteria
-# (stops other than EOS and max_new_tokens); tests/unit/test_elasticmem.py reads those sources
-# and fails if the installed transformers reads a field missing here.
-DECODING_OFF: dict = dict(
-    # _get_logits_processor: processors (greedy and sampling)
-    guidance_scale=None, sequence_bias=None, encoder_repetition_penalty=1.0, repetition_penalty=1.0,
-    no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, bad_words_ids=None,
-    min_new_tokens=0, min_length=None,  # generate sets min_length from min_new_tokens (and warns if both are set)
-    forced_bos_token_id=None, forced_eos_token_id=None, remove_invalid_values=False,
-    exponential_decay_length_penalty=None, suppress_tokens=None, begin_suppress_tokens=None,
-    # _get_logits_processor: warpers (sampling only; temperature is set by generation_config)
-    top_h=None, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-    watermarking_config=None, renormalize_logits=False,
-    # get_generation_mode: plain sampling / greedy search, one sequence per input
-    num_beams=1, num_beam_groups=1, num_return_sequences=1, diversity_penalty=0.0, length_penalty=1.0,
-    early_stopping=False, constraints=None, force_words_ids=None, penalty_alpha=None, dola_layers=None,
-    use_mtp=False, prompt_lookup_num_tokens=None, assistant_early_exit=None,
-    # _get_stopping_criteria: EOS and max_new_tokens only
-    max_length=None, max_time=None, stop_strings=None, token_healing=False,
-)
-
-
-@contextlib.contextmanager
-def _blank_model_generation_config(model: nn.Module):
-    """Run ``generate`` with a blank ``model.generation_config``.
-
-    transformers 5 (``GenerationMixin._prepare_generation_config``) fills every field that is
-    None in the config passed to ``generate`` from ``model.generation_config``, and several
-    processors are off only as None (suppress_tokens, bad_words_ids, forced_bos_token_id, min_p,
-    watermarking_config, ...): without this a checkpoint's values would leak into sampling.
-    """
-    from transformers import GenerationConfig
-
-    saved = model.generation_config
-    model.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
-def _answer_logp_hooks(temperature: float):
-    """A logits processor and a stopping criterion that record log softmax(logits / T)[token].
-
-    transformers' sampling loop calls, per step: the logits processors on the step's float32
-    logits [N, V], the token draw, then the stopping criteria with ``input_ids`` ending in the
-    drawn token. ``record`` keeps the step's log-softmax; ``gather`` takes the drawn token's
-    entry and drops it. Returns (record, gather, steps): ``steps`` fills with one [N] tensor per
-    step. transformers puts user processors after its own processors (all off here, see
-    ``generation_config``) and before its warpers (only the temperature is on): ``record`` sees
-    the raw logits, and the token is drawn from softmax(logits / T), the recorded distribution.
-    """
-    from transformers import LogitsProcessor, StoppingCriteria
-
-    steps: list[torch.Tensor] = []
-    current: list[torch.Tensor] = []
-
-    class Record(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            current[:] = [torch.log_softmax(scores.float() / temperature, -1)]
-            return scores
-
-    class Gather(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            steps.append(current.pop().gather(1, input_ids[:, -1:]).squeeze(1))
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    return Record(), Gather(), steps

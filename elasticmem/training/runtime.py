@@ -117,7 +117,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.max_steps", "train.epochs", "train.stop_after_steps", "train.save_every", "train.keep_last",
     "train.log_every", "train.log_rollouts", "train.eval_split", "train.eval_every", "train.eval_limit",
     "train.eval_batch_size", "train.micro_batch_size", "train.gradient_checkpointing", "train.trackers",
-    "train.record_rollouts", "train.resume", "model.device", "model.cache_dir", "bank.dir",
+    "train.record_rollouts", "train.resume", "backbone.device", "backbone.cache_dir", "bank.dir",
     "bank.verify", "bank.overwrite", "bank.batch_size", "bank.index.save", "eval.", "amem.",
 )
 """Config keys (or sections, ending in '.') a resumed run may change: how long to run, how

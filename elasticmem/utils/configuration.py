@@ -21,6 +21,7 @@ import sys
 import textwrap
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -179,10 +180,35 @@ def _merge(base: dict[str, Any], update: dict[str, Any], cls: type, prefix: str 
             base[k] = v
 
 
+def _renamed_key(key: str, renamed: dict[str, str], where: str) -> str:
+    """``key`` under its section's new name, with a warning when it used the old one."""
+    head, dot, rest = key.partition(".")
+    if head not in renamed:
+        return key
+    new = renamed[head] + dot + rest
+    warnings.warn(f"{where}: config key '{key}' is now '{new}'; the old name is read for one more release",
+                  FutureWarning, stacklevel=4)
+    return new
+
+
+def _renamed_sections(loaded: dict[str, Any], renamed: dict[str, str], where: str) -> dict[str, Any]:
+    """A preset's top-level sections under their new names (a warning for each old one)."""
+    out = dict(loaded)
+    for old, new in renamed.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{where}: sections '{old}' and '{new}' are the same section ('{old}' is its "
+                                  f"old name): keep '{new}' only")
+            _renamed_key(old, renamed, where)
+            out[new] = out.pop(old)
+    return out
+
+
 def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
          base: T | None = None) -> T:
     """Defaults (or ``base``) <- YAML preset at ``path`` <- ``key=value`` overrides, validated."""
     _ROOT.append(cls)
+    renamed: dict[str, str] = getattr(cls, "__renamed__", {})  # old top-level section -> new name
     try:
         data = to_dict(base if base is not None else cls())
         if path is not None:
@@ -195,12 +221,12 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | tu
                 raise ConfigError(f"{p}: not valid YAML: {e}") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{p}: a config file must be a mapping of keys to values")
-            _merge(data, loaded, cls)
+            _merge(data, _renamed_sections(loaded, renamed, str(p)), cls)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' is not of the form key=value")
             key, text = item.split("=", 1)
-            key = key.strip().removeprefix("--")
+            key = _renamed_key(key.strip().removeprefix("--"), renamed, "override")
             parts = key.split(".")
             node, node_cls = data, cls
             for i, part in enumerate(parts):

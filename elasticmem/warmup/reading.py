@@ -146,9 +146,9 @@ def warmup(cfg: Config) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     set_seed(cfg.seed)
-    backbone = load_backbone(cfg.model)
+    backbone = load_backbone(cfg.backbone)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-    mem_cfg = cfg.memory if cfg.train.use_memory else dataclasses.replace(cfg.memory, top_z=0)
+    mem_cfg = cfg.memory
     index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if memgen:
         from elasticmem.baselines.memgen import MemGen
@@ -302,7 +302,7 @@ def _resumable(cfg: Config, out: Path) -> Path | None:
     last = ckpt.latest_checkpoint(out / "checkpoints")
     if last is None or not (out / "config.yaml").is_file():
         return last
-    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.use_memory", "train.system",
+    kept = ("train.max_grad_norm", "train.weight_decay", "train.reward", "train.system",
             "train.loss.retrieval_temperature")  # the train.* keys the answer steps read
     changed = [k for k in config_changes(load(Config, out / "config.yaml"), cfg)
                if k not in WARMUP_MAY_CHANGE and (not k.startswith("train.") or k in kept)]

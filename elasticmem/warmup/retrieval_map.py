@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print_config(cfg, file=sys.stderr)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    backbone = load_backbone(cfg.model)
+    backbone = load_backbone(cfg.backbone)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
     examples = [ex for s in args.splits for ex in load_split(cfg.data.dir, s)]
     missing = sorted({ex.group for ex in examples} - set(bank.groups))

@@ -34,7 +34,7 @@ import pytest
 import torch
 from conftest import ROOT, make_examples
 
-from elasticmem.config import BankConfig, ChunkingConfig, IndexConfig, ModelConfig, load_config
+from elasticmem.config import BankConfig, ChunkingConfig, IndexConfig, BackboneConfig, load_config
 
 DEVICE = os.environ.get("ELASTICMEM_GPU_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = [
@@ -63,7 +63,7 @@ def tiny_task(tmp_path_factory):
                                                    "data.synthetic.num_histories=48"])
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
     examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
-    build_bank(examples, load_backbone(dataclasses.replace(cfg.model, device="cpu", dtype="float32")),
+    build_bank(examples, load_backbone(dataclasses.replace(cfg.backbone, device="cpu", dtype="float32")),
                cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     return root, cfg, examples
 
@@ -73,7 +73,7 @@ def _bank_on(root: Path, cfg, examples, device: str, dtype: str, name: str):
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_bank, resolve_cache_dtype
 
-    backbone = load_backbone(dataclasses.replace(cfg.model, device=device, dtype=dtype))
+    backbone = load_backbone(dataclasses.replace(cfg.backbone, device=device, dtype=dtype))
     bank_cfg = dataclasses.replace(cfg.bank, dir=str(root / name))
     build_bank(examples, backbone, cfg.chunking, bank_cfg, resolve_cache_dtype("auto", backbone.device),
                show_progress=False)
@@ -112,14 +112,14 @@ def fp32_and_bf16(tiny_task, bf16_bank, tmp_path_factory):
     bank = Bank.open(cfg.bank.dir)
     mem = dataclasses.replace(cfg.memory, lora=dataclasses.replace(cfg.memory.lora, dropout=0.0))
     torch.manual_seed(0)
-    fp32 = ElasticMem(load_backbone(dataclasses.replace(cfg.model, device=DEVICE, dtype="float32")), mem, bank).eval()
+    fp32 = ElasticMem(load_backbone(dataclasses.replace(cfg.backbone, device=DEVICE, dtype="float32")), mem, bank).eval()
     with torch.no_grad():  # a non-zero adapter, so that the adapter's path is compared too
         for n, p in fp32.lm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     parts = tmp_path_factory.mktemp("parts")
     fp32.save_pretrained(parts)
-    bf16 = ElasticMem(load_backbone(dataclasses.replace(cfg.model, device=DEVICE, dtype="bfloat16")), mem, bf16_bank)
+    bf16 = ElasticMem(load_backbone(dataclasses.replace(cfg.backbone, device=DEVICE, dtype="bfloat16")), mem, bf16_bank)
     bf16.load_weights(parts)
     bf16.eval()
     batch = examples["val"][:8]
@@ -191,11 +191,11 @@ def test_bf16_training_replays_fp32_rollouts_within_tolerance(tiny_task, bf16_ba
     bf16 mixed precision) replays them: per-step rewards, gradient norm and budget entropy agree."""
     root, cfg, examples = tiny_task
     common = [f"data.dir={root}/data", "train.max_steps=3", "train.eval_limit=8", "train.save_every=0",
-              f"model.device={DEVICE}", "memory.lora.dropout=0.0", "train.batch_size=8", "train.group_size=4"]
+              f"backbone.device={DEVICE}", "memory.lora.dropout=0.0", "train.batch_size=8", "train.group_size=4"]
     # separate processes: accelerate's mixed precision is fixed once per process
-    _train([*common, f"bank.dir={root}/bank_cpu", "model.dtype=float32", "train.mixed_precision=no",
+    _train([*common, f"bank.dir={root}/bank_cpu", "backbone.dtype=float32", "train.mixed_precision=no",
             f"train.output_dir={tmp_path}/fp32", f"train.record_rollouts={tmp_path}/rec"])
-    _train([*common, f"bank.dir={bf16_bank.root}", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+    _train([*common, f"bank.dir={bf16_bank.root}", "backbone.dtype=bfloat16", "train.mixed_precision=bf16",
             f"train.output_dir={tmp_path}/bf16", f"train.replay_rollouts={tmp_path}/rec"])
     a, b = ([json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
             for run in ("fp32", "bf16"))
@@ -216,7 +216,7 @@ def test_bf16_training_replays_fp32_rollouts_within_tolerance(tiny_task, bf16_ba
 @pytest.mark.timeout(900)
 def test_4bit_base_loads_samples_and_trains_a_step(tiny_task, tmp_path):
     """A saved random Qwen2 folder loaded as NF4 (bitsandbytes): a bank, greedy rollouts, one GRPO step."""
-    pytest.importorskip("bitsandbytes", reason="model.load_in_4bit needs bitsandbytes (pip install 'elasticmem[gpu]')")
+    pytest.importorskip("bitsandbytes", reason="backbone.load_in_4bit needs bitsandbytes (pip install 'elasticmem[gpu]')")
     from elasticmem.backbone import build_tiny_model, build_tiny_tokenizer, load_backbone
     from elasticmem.bank import Bank, build_bank
     from elasticmem.config import TinyModelConfig
@@ -228,7 +228,7 @@ def test_4bit_base_loads_samples_and_trains_a_step(tiny_task, tmp_path):
     folder = tmp_path / "qwen2-random"
     build_tiny_model(shape, tok).save_pretrained(folder)
     tok.save_pretrained(folder)
-    mcfg = ModelConfig(name_or_path=str(folder), device=DEVICE, load_in_4bit=True)
+    mcfg = BackboneConfig(name_or_path=str(folder), device=DEVICE, load_in_4bit=True)
     backbone = load_backbone(mcfg)
     n4 = sum(type(m).__name__ == "Linear4bit" for m in backbone.model.modules())
     assert n4 >= 2 * 7, f"expected the decoder's linear layers in NF4, found {n4} Linear4bit modules"
@@ -240,8 +240,8 @@ def test_4bit_base_loads_samples_and_trains_a_step(tiny_task, tmp_path):
     model = ElasticMem(backbone, cfg.memory, bank).eval()
     traj = model.greedy(examples["val"][:4])
     assert len(traj) == 4 and int(traj.answer_mask.sum()) > 0
-    over = [f"data.dir={root}/data", f"bank.dir={bank_cfg.dir}", f"model.name_or_path={folder}",
-            "model.load_in_4bit=true", f"model.device={DEVICE}", "train.max_steps=1", "train.eval_limit=4",
+    over = [f"data.dir={root}/data", f"bank.dir={bank_cfg.dir}", f"backbone.name_or_path={folder}",
+            "backbone.load_in_4bit=true", f"backbone.device={DEVICE}", "train.max_steps=1", "train.eval_limit=4",
             f"train.output_dir={tmp_path}/run4", "train.save_every=0"]
     _train(over)
     m = json.loads((tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()[0])
@@ -260,7 +260,7 @@ def test_faiss_gpu_search_equals_cpu_flat_search(tmp_path, index_type):
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_bank, build_index
 
-    backbone = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    backbone = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     cfg = BankConfig(dir=str(tmp_path / "bank"), n_cache=4, shard_rows=16)
     build_bank({"train": make_examples(8)}, backbone, ChunkingConfig(max_tokens=64), cfg, torch.float32,
                show_progress=False)
@@ -321,7 +321,7 @@ def test_training_warmup_and_evaluation_search_on_the_models_device(tiny_task, t
     monkeypatch.setattr(index_mod, "exact_search", recording)
     root, cfg, examples = tiny_task
     want = torch.device(DEVICE)
-    common = [f"data.dir={root}/data", f"bank.dir={cfg.bank.dir}", f"model.device={DEVICE}"]
+    common = [f"data.dir={root}/data", f"bank.dir={cfg.bank.dir}", f"backbone.device={DEVICE}"]
     runs = {
         "train": lambda: train(load_config(ROOT / "configs/tiny.yaml", [
             *common, "train.max_steps=1", "train.batch_size=4", "train.group_size=2", "train.eval_split=",

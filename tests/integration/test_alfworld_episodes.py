@@ -78,7 +78,7 @@ def setup(tmp_path_factory):
     cfg = load_config(ROOT / "configs/alfworld_tiny.yaml", _overrides(root, f"train.output_dir={root}/run",
                                                                         "train.max_steps=2", "train.eval_split=",
                                                                         "train.batch_size=4", "train.group_size=4"))
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val")}, load_backbone(cfg.model), cfg.chunking,
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val")}, load_backbone(cfg.backbone), cfg.chunking,
                cfg.bank, torch.float32, show_progress=False)
     train(cfg)
     out = root / "eval"

@@ -76,7 +76,7 @@ def test_cli_errors_are_clear(tmp_path, tiny_data, capsys):
     _, err = _build_bank_here(capsys, [*config, f"data.dir={bad}", "bank.splits=[train]", f"bank.dir={tmp_path}/b"],
                               code=2)
     assert f"{bad}/train.jsonl:1" in err and "'history' is empty" in err
-    _, err = _build_bank_here(capsys, [*config, f"data.dir={tiny_data}", "model.name_or_path=/no/such/model"], code=2)
+    _, err = _build_bank_here(capsys, [*config, f"data.dir={tiny_data}", "backbone.name_or_path=/no/such/model"], code=2)
     assert "model path not found: /no/such/model" in err
 
 
@@ -184,7 +184,7 @@ def test_cli_append_adds_new_sessions_and_groups_once(tmp_path, capsys):
     early = [dataclasses.replace(ex, history=ex.history[:2]) for ex in full if ex.group != groups[-1]]
     write_examples(tmp_path / "early" / "test.jsonl", early)
     write_examples(tmp_path / "full" / "test.jsonl", full)
-    base = ["--config", str(ROOT / "configs/tiny.yaml"), "bank.splits=[test]", "model.tiny.char_fallback=true"]
+    base = ["--config", str(ROOT / "configs/tiny.yaml"), "bank.splits=[test]", "backbone.tiny.char_fallback=true"]
     _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/early", f"bank.dir={tmp_path}/grown"])
     _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/full", f"bank.dir={tmp_path}/union"])
     stdout, _ = _build_bank_here(capsys, [*base, f"data.dir={tmp_path}/full", f"bank.dir={tmp_path}/grown", "--append"])

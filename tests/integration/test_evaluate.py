@@ -108,7 +108,7 @@ def test_memory_tokens_match_what_each_system_injects(variants_run):
     bank = Bank.open(root / "bank")
     chunks = bank.chunks()
     cfg = load_config(ROOT / "configs/tiny.yaml")
-    tok = build_tiny_tokenizer(cfg.model.tiny.char_fallback)
+    tok = build_tiny_tokenizer(cfg.backbone.tiny.char_fallback)
 
     def n_tok(row: int) -> int:
         return len(tok(chunks[row]["text"], add_special_tokens=False)["input_ids"])

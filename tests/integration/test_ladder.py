@@ -36,7 +36,7 @@ def ladder_run(request, tmp_path_factory):
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", overrides)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
     examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
-    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     system = build_system(cfg)
     torch.manual_seed(1)
     with torch.no_grad():  # a policy whose argmax gives uneven budgets

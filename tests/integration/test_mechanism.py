@@ -61,7 +61,7 @@ def _prepare(root: Path, data_seed: int) -> None:
     cfg = load_config(PRESET, [f"data.dir={root}/data{data_seed}", f"bank.dir={root}/bank{data_seed}"])
     write_synthetic(cfg.data.synthetic, data_seed, cfg.data.dir)
     examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
-    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +141,12 @@ def test_full_mechanism_learns_at_every_seed_and_uses_its_memory(setup):
         assert len(val) >= 150
         run = setup / f"run{seed}"
         evaluated = json.loads((run / "eval_val.json").read_text())
-        model = ElasticMem(load_backbone(cfg.model), cfg.memory, bank)
+        model = ElasticMem(load_backbone(cfg.backbone), cfg.memory, bank)
         model.load_weights(run / "final")
         model.eval()
         acc, ev_budget, other_budget, _ = _greedy(model, val)
         wrong_group, _, _, wrong_group_valid = _greedy(model, elsewhere)
-        no_memory_model = ElasticMem(load_backbone(cfg.model), dataclasses.replace(cfg.memory, top_z=0), bank)
+        no_memory_model = ElasticMem(load_backbone(cfg.backbone), dataclasses.replace(cfg.memory, top_z=0), bank)
         no_memory_model.load_weights(run / "final")
         no_memory, _, _, no_memory_valid = _greedy(no_memory_model.eval(), val)
         steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" not in r]
@@ -180,7 +180,7 @@ def _recipe_all(root: Path) -> None:
     budget), all at once, one thread each."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("ACCELERATE_USE_CPU", None)
-    arms = {f"r{s}": [f"seed={s}"] for s in SEEDS} | {"nomem": ["seed=0", "train.use_memory=false"]}
+    arms = {f"r{s}": [f"seed={s}"] for s in SEEDS} | {"nomem": ["seed=0", "memory.top_z=0"]}
     procs = {}
     for arm, extra in arms.items():
         common = [f"data.dir={root}/data0", f"bank.dir={root}/bank0", *extra]
@@ -221,7 +221,7 @@ def test_reading_warmup_then_a_quarter_of_the_grpo_steps_learns_at_every_seed(se
         run = setup / f"r{seed}"
         warm = json.loads((setup / f"r{seed}_warmup/eval.json").read_text())
         steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" not in r]
-        model = ElasticMem(load_backbone(cfg.model), cfg.memory, bank)
+        model = ElasticMem(load_backbone(cfg.backbone), cfg.memory, bank)
         model.load_weights(run / "final")
         acc, ev_budget, other_budget, _ = _greedy(model.eval(), val)
         b_mem = [r["budget/mean_B_mem"] for r in steps]

@@ -73,7 +73,7 @@ def _eval_command_is_valid(blocks: dict[str, list[str]], folder: Path) -> None:
 
 def _check(folder: Path, cfg, row: dict, stage_tag: str, *more_tags: str) -> None:
     front, blocks, body = _card(folder)
-    assert front == {"library_name": "elasticmem", "base_model": cfg.model.name_or_path,
+    assert front == {"library_name": "elasticmem", "base_model": cfg.backbone.name_or_path,
                      "tags": ["elasticmem", stage_tag, "lora", *more_tags]}
     _same_row(json.loads(blocks["json"][0]), row)
     from elasticmem.utils.configuration import to_dict

@@ -16,7 +16,7 @@ from conftest import ROOT, requires_smollm2
 def test_sample_greedy_score_on_smollm2(tmp_path, content):
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import Bank, build_bank
-    from elasticmem.config import BankConfig, ModelConfig, load_config
+    from elasticmem.config import BankConfig, BackboneConfig, load_config
     from elasticmem.data.synthetic import generate
     from elasticmem.model.elasticmem import ElasticMem
 
@@ -24,7 +24,7 @@ def test_sample_greedy_score_on_smollm2(tmp_path, content):
                                                          "memory.policy.max_budget=6", f"memory.content={content}",
                                                          "memory.retrieval_map=null"])  # no trained map here
     examples = generate(cfg.data.synthetic, seed=0)["test"][:3]
-    backbone = load_backbone(ModelConfig(name_or_path="smollm2", device="cpu"))
+    backbone = load_backbone(BackboneConfig(name_or_path="smollm2", device="cpu"))
     build_bank({"test": examples}, backbone, cfg.chunking, BankConfig(dir=str(tmp_path / "bank"), n_cache=6,
                                                                                kv_cache=content == "kv",
                                                                                key=cfg.bank.key),

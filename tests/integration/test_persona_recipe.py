@@ -45,7 +45,7 @@ def test_runs_in_pieces_to_a_summary_over_seeds_and_redoes_nothing(tmp_path):
         assert em["seed"] == s and em["train"]["init_from"] == str(out / f"s{s}/elasticmem/warmup/final")
         assert em["data"]["dir"] == str(out / "data") and em["bank"]["dir"] == str(out / "bank")
         nm = yaml.safe_load((out / f"s{s}/no_memory/train/config.yaml").read_text())
-        assert nm["train"]["use_memory"] is False and nm["warmup"]["budget_weight"] == 0
+        assert nm["memory"]["top_z"] == 0 and nm["warmup"]["budget_weight"] == 0
         ladder = json.loads((out / f"s{s}/ladder/ladder.json").read_text())
         assert len(ladder["rungs"]) == 7 and len(ladder["cost_dial"]) == 1
         res = json.loads((out / f"s{s}/ladder/no_memory_trained/results.json").read_text())

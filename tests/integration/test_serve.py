@@ -86,7 +86,7 @@ def _start(d: Path) -> Server:
            "--api-keys", str(keys), "--port", str(port), "--threads", "1", "--max-batch", "8",
            "--batch-window-ms", "20", "--max-body-bytes", str(MAX_BODY), "--max-turn-chars", str(MAX_TURN_CHARS),
            "--log-level", "info", "--no-access-log",
-           "model.device=cpu", "model.tiny.char_fallback=true", "memory.top_z=2", "memory.max_new_tokens=3"]
+           "backbone.device=cpu", "backbone.tiny.char_fallback=true", "memory.top_z=2", "memory.max_new_tokens=3"]
     log = d / "server.log"
     with open(log, "w") as out:  # a file, not a pipe: a full pipe would stall the server
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)

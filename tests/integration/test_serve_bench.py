@@ -36,7 +36,7 @@ def test_serve_abuse_benchmark_smallest_scale(tmp_path):
            "--requests", "4", "--flood-requests", "4", "--append-sizes", "1000", "--append-repeats", "3",
            "--compaction-rows", "100", "--tenant-max-in-flight", "8", "--tenant-max-queued", "8", "--max-batch", "4",
            "--flood-extra", "2", "--flood-ramp-s", "0.5", "--workdir", str(tmp_path / "work"), "--out", str(out),
-           "model.tiny.char_fallback=true"]
+           "backbone.tiny.char_fallback=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

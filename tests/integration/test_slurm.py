@@ -252,7 +252,7 @@ def test_bank_array_job_then_dependent_merge_equals_a_one_process_build(slurm, t
     # the single-process reference, in this process (what build_bank.py calls)
     cfg = load_config(ROOT / common[0], [*common[1:], f"bank.dir={tmp_path}/one"])
     examples = {split: load_split(cfg.data.dir, split) for split in cfg.bank.splits}
-    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     env = {**_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
     opts = ["--gpus-per-node=0", "--cpus-per-task=1", MEM, f"--output={tmp_path}/bank-%A_%a.out"]
     array = slurm.run("sbatch", "--parsable", "--array=0-1", *opts, "slurm/build_bank.sbatch", *common,

@@ -27,7 +27,7 @@ from elasticmem.systems import build_system
 from elasticmem.utils.configuration import load
 
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo10.json"
-OVERRIDES = ["model.name_or_path=tiny", "model.device=cpu", "memory.retrieval=frozen", "memory.top_z=3",
+OVERRIDES = ["backbone.name_or_path=tiny", "backbone.device=cpu", "memory.retrieval=frozen", "memory.top_z=3",
              "memory.max_new_tokens=2", "memory.policy.max_budget=4", "bank.n_cache=8", "chunking.max_tokens=48",
              "eval.plots=false", "eval.case_studies=0", "eval.batch_size=7"]
 
@@ -54,7 +54,7 @@ def _check(root: Path, examples):
     from elasticmem.backbone import load_backbone
 
     cfg = _cfg(root)
-    build_bank({"test": examples}, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    build_bank({"test": examples}, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     off, p_off = _run(root, examples, "offline", "off")
     all_, p_all = _run(root, examples, "all", "all")
     assert set(p_all) == set(p_off) == {ex.id for ex in examples}

@@ -34,7 +34,7 @@ def tiny_setup(tmp_path_factory):
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={root}/data", f"bank.dir={root}/bank"])
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
     examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
-    build_bank(examples, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     return root
 
 
@@ -84,7 +84,7 @@ def test_grpo_learns_from_memory_and_not_without(tiny_setup, tmp_path):
     What this shows is reading only: the preset retrieves one memory by the frozen reasoner's
     state (98 % top-1 at init), so nothing here learns to retrieve or to allocate budgets; that
     is tests/integration/test_mechanism.py's claim."""
-    runs = {f"mem{seed}": [f"seed={seed}"] for seed in (0, 1, 2)} | {"nomem": ["train.use_memory=false"]}
+    runs = {f"mem{seed}": [f"seed={seed}"] for seed in (0, 1, 2)} | {"nomem": ["memory.top_z=0"]}
     args = ["train.py", "--config", "configs/tiny.yaml", f"data.dir={tiny_setup}/data", f"bank.dir={tiny_setup}/bank"]
     procs = {}
     for name, overrides in runs.items():
@@ -249,7 +249,7 @@ def test_kl_term_runs_against_the_adapter_free_model(tiny_setup, tmp_path, monke
     assert [r["step"] for r in rows] == [1, 2, 3] and len(captured) == 3
 
     def model(checkpoint: Path, adapter: bool):
-        m = ElasticMem(load_backbone(cfg.model), cfg.memory, Bank.open(cfg.bank.dir))
+        m = ElasticMem(load_backbone(cfg.backbone), cfg.memory, Bank.open(cfg.bank.dir))
         if adapter:
             m.load_weights(checkpoint)
         else:  # the trained policy and projector on the untouched base model (LoRA left at B = 0)

@@ -57,10 +57,11 @@ def _independent(root: Path, ckpt: Path, rec: Path, step: int, overrides: tuple[
     from elasticmem.data.schema import load_split
     from elasticmem.grpo.loss import Normalizer, PartLogProbs, PartMasks, elasticmem_loss, group_advantages
     from elasticmem.data.rewards import mc_letter_reward
-    from elasticmem.model.elasticmem import ElasticMem, Trajectories
+    from elasticmem.model.elasticmem import ElasticMem
+    from elasticmem.model.trajectories import Trajectories
 
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={root}/data", f"bank.dir={root}/bank", *overrides])
-    model = ElasticMem(load_backbone(cfg.model), cfg.memory, Bank.open(cfg.bank.dir))
+    model = ElasticMem(load_backbone(cfg.backbone), cfg.memory, Bank.open(cfg.bank.dir))
     model.load_weights(ckpt)
     files = sorted(rec.glob(f"step{step:06d}_rank*.safetensors"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
     traj = Trajectories.concat([Trajectories(**load_file(str(p)), **json.loads(p.with_suffix(".json").read_text()))

@@ -16,7 +16,7 @@ from elasticmem.agent import imitation as I
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import load_split
 from elasticmem.data.rewards import snapped_action_reward
-from elasticmem.model.elasticmem import format_suffix
+from elasticmem.model.prompt import format_suffix
 
 
 def trajectory(game_id, n_steps, task_type="pick_and_place_simple"):

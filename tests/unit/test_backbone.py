@@ -20,11 +20,11 @@ from conftest import requires_smollm2, smollm2_dir
 import elasticmem.backbone.cli as backbone_cli
 import elasticmem.backbone.fingerprint as fingerprint_mod
 from elasticmem.backbone import build_tiny_tokenizer, convert_gguf, load_backbone, model_fingerprint
-from elasticmem.config import ModelConfig, TinyModelConfig
+from elasticmem.config import BackboneConfig, TinyModelConfig
 
 
 def _tiny(seed=0, **kw):
-    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=seed, **kw)))
+    return load_backbone(BackboneConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=seed, **kw)))
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def _save(bb, path, dtype=None):
 
 
 def _load(path, **kw):
-    return load_backbone(ModelConfig(name_or_path=str(path), device="cpu", **kw))
+    return load_backbone(BackboneConfig(name_or_path=str(path), device="cpu", **kw))
 
 
 def _source(path, **kw):
@@ -88,7 +88,7 @@ def test_local_folder_roundtrip_keeps_fingerprint(tmp_path, cache_home):
     a = _tiny(0)
     a.model.save_pretrained(tmp_path / "m")
     a.tokenizer.save_pretrained(tmp_path / "m")
-    b = load_backbone(ModelConfig(name_or_path=str(tmp_path / "m"), device="cpu"))
+    b = load_backbone(BackboneConfig(name_or_path=str(tmp_path / "m"), device="cpu"))
     assert b.fingerprint == a.fingerprint
     ids = a.tokenizer("User:\nc cat", return_tensors="pt")["input_ids"]
     assert b.tokenizer("User:\nc cat", return_tensors="pt")["input_ids"].tolist() == ids.tolist()
@@ -108,14 +108,14 @@ def test_tiny_tokenizer_covers_text():
 
 def test_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="model path not found: ./nope"):
-        load_backbone(ModelConfig(name_or_path="./nope", device="cpu"))
+        load_backbone(BackboneConfig(name_or_path="./nope", device="cpu"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        load_backbone(ModelConfig(name_or_path=str(tmp_path / "empty"), device="cpu"))
+        load_backbone(BackboneConfig(name_or_path=str(tmp_path / "empty"), device="cpu"))
     with pytest.raises(FileNotFoundError, match="python -m elasticmem.backbone fetch smollm2"):
-        load_backbone(ModelConfig(name_or_path="smollm2", device="cpu", cache_dir=str(tmp_path / "cache")))
+        load_backbone(BackboneConfig(name_or_path="smollm2", device="cpu", cache_dir=str(tmp_path / "cache")))
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
-        load_backbone(ModelConfig(name_or_path=str(tmp_path / "x.gguf"), device="cpu"))
+        load_backbone(BackboneConfig(name_or_path=str(tmp_path / "x.gguf"), device="cpu"))
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed

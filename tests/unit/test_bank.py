@@ -191,10 +191,10 @@ _encode = builder_mod.encode_shard
 
 def test_refuses_other_encoder_and_other_bank(tmp_path, tiny_backbone):
     from elasticmem.backbone import load_backbone
-    from elasticmem.config import ModelConfig, TinyModelConfig
+    from elasticmem.config import BackboneConfig, TinyModelConfig
 
     _, bank = _build(tmp_path, tiny_backbone)
-    other = load_backbone(ModelConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=1)))
+    other = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=1)))
     assert other.fingerprint != tiny_backbone.fingerprint
     with pytest.raises(BankError, match="encoded by 'tiny'.*fingerprint"):
         Bank.open(bank.root, expect_fingerprint=other.fingerprint)

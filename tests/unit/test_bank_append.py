@@ -209,10 +209,10 @@ CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     from elasticmem.backbone import load_backbone
     from elasticmem.bank.append import SessionAdd, append_sessions
-    from elasticmem.config import ModelConfig
+    from elasticmem.config import BackboneConfig
     from elasticmem.data.schema import Turn
     root, mode = sys.argv[1], sys.argv[2]
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     real_replace, real_write = os.replace, os.write
     def replace(src, dst):  # die at the rename that would make the named file appear
         if mode != "loop" and os.path.basename(str(dst)).startswith(mode):
@@ -387,10 +387,10 @@ WRITER_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from elasticmem.backbone import load_backbone
     from elasticmem.bank.append import SessionAdd, append_sessions
-    from elasticmem.config import ModelConfig
+    from elasticmem.config import BackboneConfig
     from elasticmem.data.schema import Turn
     root, barrier, me, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     (barrier / f"ready-{me}").touch()
     while not all((barrier / f"ready-{k}").exists() for k in (0, 1)):  # start together
         time.sleep(0.01)

@@ -42,11 +42,11 @@ def test_presets_load(preset):
 
 def test_override_types_and_nesting():
     cfg = load_config(ROOT / "configs/tiny.yaml", ["bank.n_cache=12", "bank.index.type=hnsw",
-                                                  "bank.splits=[train]", "model.tiny.seed=3", "seed=7"])
+                                                  "bank.splits=[train]", "backbone.tiny.seed=3", "seed=7"])
     assert cfg.bank.n_cache == 12 and cfg.bank.index.type == "hnsw"
-    assert cfg.bank.splits == ["train"] and cfg.model.tiny.seed == 3 and cfg.seed == 7
+    assert cfg.bank.splits == ["train"] and cfg.backbone.tiny.seed == 3 and cfg.seed == 7
     # The preset's values survive where not overridden.
-    assert cfg.model.name_or_path == "tiny" and cfg.chunking.max_tokens == 64
+    assert cfg.backbone.name_or_path == "tiny" and cfg.chunking.max_tokens == 64
 
 
 def test_yaml_words_read_as_booleans_are_kept_as_string_choices(tmp_path):
@@ -155,3 +155,40 @@ def test_float_keys_take_exponent_notation(text, value):
     assert load_config(None, [f"train.lr={text}"]).train.lr == value
     with pytest.raises(ConfigError, match="must be a number"):
         load_config(None, ["train.lr=fast"])
+
+
+def test_the_old_model_section_still_loads_as_backbone_with_a_warning(tmp_path):
+    """``model.*`` (the section's name up to 0.1) is read as ``backbone.*``, in a preset, a saved
+    checkpoint's config and an override, each with a FutureWarning naming the new key."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  name_or_path: smollm2\n  device: cpu\nmemory:\n  top_z: 3\n")
+    with pytest.warns(FutureWarning, match=r"'model' is now 'backbone'"):
+        cfg = load_config(str(old))
+    assert (cfg.backbone.name_or_path, cfg.backbone.device, cfg.memory.top_z) == ("smollm2", "cpu", 3)
+    with pytest.warns(FutureWarning, match=r"'model.dtype' is now 'backbone.dtype'"):
+        cfg = load_config(str(old), ["model.dtype=float32"])
+    assert cfg.backbone.dtype == "float32" and cfg.backbone.name_or_path == "smollm2"
+    saved = tmp_path / "saved.yaml"  # what a checkpoint saves now: the new name, read without a warning
+    saved.write_text(to_yaml(cfg))
+    assert "backbone:" in saved.read_text() and "\nmodel:" not in saved.read_text()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(str(saved)) == cfg
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  device: cpu\nbackbone:\n  device: cuda\n")
+    with pytest.raises(ConfigError, match="same section"):
+        load_config(str(both))
+    with pytest.raises(ConfigError, match="backbone.no_such"):
+        with pytest.warns(FutureWarning):
+            load_config(None, ["model.no_such=1"])
+
+
+def test_no_memory_is_spelled_memory_top_z_0_and_the_old_train_key_is_read_as_it():
+    """``train.use_memory=false`` (0.1) is ``memory.top_z=0``, with a warning: one config, whichever was written."""
+    with pytest.warns(FutureWarning, match=r"train.use_memory=false is memory.top_z=0"):
+        old = load_config("configs/tiny.yaml", ["train.use_memory=false"])
+    new = load_config("configs/tiny.yaml", ["memory.top_z=0"])
+    assert old == new and old.memory.top_z == 0 and old.train.use_memory
+    assert load_config("configs/tiny.yaml").memory.top_z > 0

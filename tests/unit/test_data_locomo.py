@@ -464,7 +464,7 @@ def test_configs_point_at_the_prepared_folders(name: str, data_dir: str) -> None
 
     cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"))
     assert cfg.data.dir == data_dir and cfg.bank.dir == f"runs/bank/{name}"
-    assert cfg.model.name_or_path == "smollm2"
+    assert cfg.backbone.name_or_path == "smollm2"
     text = (ROOT / "configs" / f"{name}.yaml").read_text()
     assert f"prepare {name.replace('_', '-')} " in text and f"--out {data_dir}" in text
 

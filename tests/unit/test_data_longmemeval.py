@@ -258,7 +258,7 @@ def test_config_points_at_the_prepared_folder() -> None:
 
     cfg = load_config(str(ROOT / "configs" / "longmemeval_s_mc10.yaml"))
     assert cfg.data.dir == "runs/data/longmemeval_s_mc10" and cfg.bank.dir == "runs/bank/longmemeval_s_mc10"
-    assert cfg.model.name_or_path == "smollm2" and cfg.memory.top_z == 20
+    assert cfg.backbone.name_or_path == "smollm2" and cfg.memory.top_z == 20
     assert "--out runs/data/longmemeval_s_mc10" in (ROOT / "configs" / "longmemeval_s_mc10.yaml").read_text()
 
 

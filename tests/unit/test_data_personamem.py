@@ -256,5 +256,5 @@ def test_config_points_at_the_prepared_folder() -> None:
 
     cfg = load_config(str(ROOT / "configs" / "personamem_32k.yaml"))
     assert cfg.data.dir == "runs/data/personamem_32k" and cfg.bank.dir == "runs/bank/personamem_32k"
-    assert cfg.model.name_or_path == "smollm2" and cfg.memory.top_z == 9
+    assert cfg.backbone.name_or_path == "smollm2" and cfg.memory.top_z == 9
     assert "--out runs/data/personamem_32k" in (ROOT / "configs" / "personamem_32k.yaml").read_text()

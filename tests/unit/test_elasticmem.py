@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from elasticmem.backbone import Backbone, load_backbone
 from elasticmem.bank import Bank, BankError, build_bank
-from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig, TinyModelConfig
+from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, BackboneConfig, TinyModelConfig
 from elasticmem.data.synthetic import SyntheticConfig, generate
 from elasticmem.model.budget_policy import BudgetPolicyConfig
 from elasticmem.model.elasticmem import ElasticMem
@@ -26,7 +26,7 @@ N_CACHE = 6
 
 
 def tiny_backbone(seed: int = 0):
-    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=seed)))
+    return load_backbone(BackboneConfig(name_or_path="tiny", device="cpu", tiny=TinyModelConfig(seed=seed)))
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_bad_inputs(bank):
 
 
 def test_suffix_template_fills_options_question_and_extra_fields(bank):
-    from elasticmem.model.elasticmem import format_suffix
+    from elasticmem.model.prompt import format_suffix
 
     ex = bank[1][0]
     step = dataclasses.replace(ex, extra={"commands": "go to sink 1\nlook", "n": 3})
@@ -290,7 +290,7 @@ def decoding_fields() -> set[str]:
 
 
 def test_generation_config_turns_off_every_decoding_knob():
-    from elasticmem.model.elasticmem import DECODING_OFF
+    from elasticmem.model.generation import DECODING_OFF
 
     fields = decoding_fields()
     assert {"suppress_tokens", "bad_words_ids", "top_k", "min_p", "num_beams", "stop_strings"} <= fields
@@ -490,7 +490,7 @@ def _log_softmax_gather(head, h, targets, temperature):
 def test_token_logps_in_chunks_equal_log_softmax_gather(dtype, temperature, rows, recompute):
     """``token_logps`` (target logit - logsumexp, chunks of ``rows`` rows, optionally recomputed in
     backward) gives the reference's log-probs and gradients, for float32 and bf16 heads."""
-    from elasticmem.model.elasticmem import token_logps
+    from elasticmem.model.generation import token_logps
 
     V, d, M = 101, 16, 23  # 23 rows: 5 chunks of 5, the last one short
     torch.manual_seed(0)
@@ -514,7 +514,7 @@ def test_token_logps_in_chunks_equal_log_softmax_gather(dtype, temperature, rows
 def test_token_logps_vocab_wide_memory_is_bounded_by_one_chunk():
     """Forward and backward hold a few chunks of logits, not [M, V] copies: the saved chunks add up
     to one [M, V] float32 without recomputation, and stay at one chunk with it."""
-    from elasticmem.model.elasticmem import token_logps
+    from elasticmem.model.generation import token_logps
 
     V, d, M, rows = 997, 8, 64, 8
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from test_elasticmem import bank, data, memory_cfg, tiny_backbone  # noqa: F401 
 from test_kv_content import N_CACHE, kv_bank  # noqa: F401  (fixture; built from test_elasticmem's data)
 from test_memgen import make_memgen
 
-import elasticmem.model.elasticmem as em
+import elasticmem.model.generation as generation
 from elasticmem.config import LoraConfig
 from elasticmem.model.elasticmem import ElasticMem
 from elasticmem.model.projector import ProjectorConfig
@@ -115,7 +115,7 @@ def test_long_targets_recompute_their_logit_chunks(bank, monkeypatch, reentrant)
     with chunks of 7 rows the targets span several ``token_logps`` chunks, recomputed in backward;
     the projector's gradients are those without checkpointing."""
     bank_, _ = bank
-    monkeypatch.setattr(em, "LOGIT_CHUNK_ELEMENTS", 7 * len(tiny_backbone().tokenizer))
+    monkeypatch.setattr(generation, "LOGIT_CHUNK_ELEMENTS", 7 * len(tiny_backbone().tokenizer))
     plain, ckpt = _model(bank_, False), _model(bank_, True, reentrant)
     rows, budgets = torch.arange(6), torch.tensor([1, 2, 3, 4, 5, 6])
     grads = []
@@ -185,7 +185,7 @@ def test_grpo_training_with_checkpointing_equals_without(tmp_path, monkeypatch):
             "memory.top_z=2", "train.num_iterations=2"]
     cfg = load_config(ROOT / "configs/tiny.yaml", base)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.backbone),
                cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     runs = {name: load_config(ROOT / "configs/tiny.yaml", [*base, f"train.output_dir={tmp_path / name}", *extra])
             for name, extra in (("plain", []), ("ckpt", ["train.gradient_checkpointing=true"]))}

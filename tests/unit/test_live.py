@@ -17,7 +17,7 @@ import torch
 from elasticmem.live import AskRequest, LiveMemory
 from elasticmem.utils.configuration import save
 
-OVERRIDES = ["model.name_or_path=tiny", "model.device=cpu", "memory.retrieval=frozen", "memory.top_z=2",
+OVERRIDES = ["backbone.name_or_path=tiny", "backbone.device=cpu", "memory.retrieval=frozen", "memory.top_z=2",
              "memory.max_new_tokens=3", "memory.policy.max_budget=4", "bank.n_cache=8", "chunking.max_tokens=48"]
 WORDS = "cat dog sun box cup hat key map pen bed car egg fox owl".split()
 

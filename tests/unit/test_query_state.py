@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from elasticmem.backbone import load_backbone
 from elasticmem.bank import Bank, build_bank
-from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig
+from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, BackboneConfig
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetPolicyConfig
 from elasticmem.model.elasticmem import ElasticMem
 from elasticmem.model.projector import ProjectorConfig
@@ -90,7 +90,7 @@ def make_model(bank_dir, retrieval: str = "control", control_temperature: float 
                                      **(policy or {})}),
         projector=ProjectorConfig(hidden_size=32),
     )
-    model = ElasticMem(load_backbone(ModelConfig(name_or_path="tiny", device="cpu")), cfg, Bank.open(bank_dir[0]))
+    model = ElasticMem(load_backbone(BackboneConfig(name_or_path="tiny", device="cpu")), cfg, Bank.open(bank_dir[0]))
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():  # lora_B starts at zero: perturb every adapter weight so the adapter matters
         lora = [p for n, p in model.lm.named_parameters() if "lora_" in n]

@@ -11,7 +11,7 @@ import torch
 
 from elasticmem.backbone import load_backbone
 from elasticmem.bank import Bank, build_bank
-from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig, ModelConfig
+from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig, BackboneConfig
 from elasticmem.data.synthetic import SyntheticConfig, generate
 from elasticmem.eval.reader import SharedPromptReader
 from elasticmem.systems import ElasticMemSystem
@@ -21,7 +21,7 @@ from elasticmem.model.elasticmem import ElasticMem
 def backbone():
     """The tiny random model with larger weights (the same on every call): its greedy answers
     differ from input to input, which the default init's do not."""
-    bb = load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    bb = load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in bb.model.parameters():

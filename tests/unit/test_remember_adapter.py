@@ -12,7 +12,7 @@ import torch
 from elasticmem.backbone import load_backbone
 from elasticmem.bank import Bank, build_bank
 from elasticmem.bank.append import SessionAdd, append_sessions, create_bank
-from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig
+from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, BackboneConfig
 from elasticmem.data.schema import Example, Turn
 from elasticmem.model.elasticmem import ElasticMem
 
@@ -22,7 +22,7 @@ WORDS = "cat dog sun box cup hat key map pen bed car egg fox owl".split()
 
 
 def _backbone():
-    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    return load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
 
 
 def _sessions(group: str) -> list[list[Turn]]:

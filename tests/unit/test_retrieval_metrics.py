@@ -144,7 +144,7 @@ def tiny_setup(tmp_path_factory):
         q = int(ex.id.rsplit("q", 1)[1])
         evidence = {0: [[0, 0]], 1: [[len(h) - 1, t] for t in range(len(h[-1]))] + [[99, 0]]}.get(q)
         examples.append(dataclasses.replace(ex, history=h, extra={"evidence": evidence} if evidence else {}))
-    build_bank({"all": examples}, load_backbone(cfg.model), cfg.chunking, cfg.bank, torch.float32,
+    build_bank({"all": examples}, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32,
                show_progress=False)
     return cfg, examples
 

@@ -18,7 +18,7 @@ from conftest import make_examples
 
 from elasticmem.backbone import load_backbone
 from elasticmem.bank import Bank, BankError, build_bank
-from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, ModelConfig
+from elasticmem.config import BankConfig, ChunkingConfig, LoraConfig, MemoryConfig, BackboneConfig
 from elasticmem.data.schema import write_examples
 from elasticmem.model.budget_policy import BudgetPolicyConfig
 from elasticmem.model.elasticmem import ElasticMem
@@ -35,7 +35,7 @@ F = torch.nn.functional
 
 def fresh_backbone():
     """A new tiny backbone (peft mutates the one a model wraps); same weights every time."""
-    return load_backbone(ModelConfig(name_or_path="tiny", device="cpu"))
+    return load_backbone(BackboneConfig(name_or_path="tiny", device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +321,7 @@ def test_cli_trains_on_the_train_split_only(tmp_path, ref, capsys):
     build_bank({"train": data["train"]}, ref, ChunkingConfig(max_tokens=32),
                BankConfig(dir=str(bank_dir), key="layer_mean", key_layers=LAYERS), torch.float32,
                show_progress=False)
-    common = ["model.name_or_path=tiny", "model.device=cpu", f"data.dir={tmp_path / 'data'}", f"bank.dir={bank_dir}",
+    common = ["backbone.name_or_path=tiny", "backbone.device=cpu", f"data.dir={tmp_path / 'data'}", f"bank.dir={bank_dir}",
               "memory.retrieval=layer_mean", "memory.lora.r=4", "memory.policy.d_model=16",
               "memory.policy.num_heads=2", "memory.projector.hidden_size=32"]
     out = tmp_path / "map.safetensors"

@@ -592,7 +592,7 @@ def tiny_live(tmp_path_factory):
 
     require_serve_extra()
     torch.manual_seed(0)
-    overrides = ["model.name_or_path=tiny", "model.device=cpu", "memory.retrieval=frozen", "memory.top_z=2",
+    overrides = ["backbone.name_or_path=tiny", "backbone.device=cpu", "memory.retrieval=frozen", "memory.top_z=2",
                  "memory.max_new_tokens=2", "memory.policy.max_budget=4", "bank.n_cache=8", "chunking.max_tokens=48"]
     return LiveMemory.load(bank=tmp_path_factory.mktemp("quota") / "bank", overrides=overrides, batch_size=4)
 
@@ -654,7 +654,8 @@ def test_memory_quotas_in_rows_and_bytes_refuse_adds_with_507(tiny_live):
 
 
 def test_every_limit_is_a_flag_with_a_docstring():
-    from elasticmem.serve import Limits, _limit_flags, _parser
+    from elasticmem.serve import Limits
+    from elasticmem.serve.cli import _limit_flags, _parser
 
     flags = _limit_flags()
     assert [f[0] for f in flags] == list(Limits.__dataclass_fields__)

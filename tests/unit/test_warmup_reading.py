@@ -277,7 +277,7 @@ def _tiny_warmups(tmp_path, base):
 
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.backbone),
                cfg.chunking, cfg.bank, torch.float32, show_progress=False)
 
     def run(name, *extra):
@@ -379,7 +379,7 @@ def test_memgen_weaver_sft_warmup_starts_its_grpo(tmp_path, capsys):
             "warmup.lr=1e-2", "warmup.eval_split="]
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.backbone),
                cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     with pytest.raises(ConfigError, match="warmup.align_steps"):
         warmup(load_config(ROOT / "configs/tiny_mechanism.yaml", [*base, "warmup.align_steps=3",
@@ -434,7 +434,7 @@ def test_budget_supervision_teaches_the_policy_where_the_evidence_is(tmp_path, s
             f"seed={seed}", "warmup.steps=40", "warmup.budgets=policy", "warmup.eval_split="]
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", base)
     write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.model),
+    build_bank({s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}, load_backbone(cfg.backbone),
                cfg.chunking, cfg.bank, torch.float32, show_progress=False)
     warmup(load_config(ROOT / "configs/tiny_mechanism.yaml",
                        [*base, f"warmup.output_dir={tmp_path / 'on'}", "warmup.budget_weight=1.0"]))

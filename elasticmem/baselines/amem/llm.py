@@ -474,9 +474,9 @@ class TransformersBackend:
         """Load ``cfg.model`` with elasticmem.backbone, or reuse an already loaded ``backbone``."""
         if backbone is None:
             from elasticmem.backbone import load_backbone
-            from elasticmem.config import ModelConfig
+            from elasticmem.config import BackboneConfig
 
-            backbone = load_backbone(ModelConfig(name_or_path=cfg.model, device=cfg.device, dtype=cfg.dtype))
+            backbone = load_backbone(BackboneConfig(name_or_path=cfg.model, device=cfg.device, dtype=cfg.dtype))
         return cls(backbone.model, backbone.tokenizer, cfg.batch_size, cfg.constrained, name=cfg.model)
 
     def render(self, messages: Messages) -> str:

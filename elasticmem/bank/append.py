@@ -30,6 +30,10 @@ made by ``chunk_history`` (one per user+assistant pair of a session), so appendi
 conversation's sessions one by one gives each group the rows, in the same order, that a build
 of the whole history gives (``tests/unit/test_bank_append.py`` checks keys and caches to 1e-6).
 
+Why one file (just over 600 lines): compaction runs inside an append, under the same folder lock, and
+commits through the same journal and checkpoint functions; apart, the two halves would each import the
+other's private commit steps.
+
     python build_bank.py --config configs/quickstart.yaml --append   # add new data to a built bank
     from elasticmem.live import LiveMemory                            # the agent-facing API on top
 """

@@ -23,22 +23,7 @@ issue's acceptance: growth with checkpointing at most 0.5x growth without. ``sco
 logits at the answer tokens only ([B, answer, V]: 78 MB at 8 x 16 x 152k in float32), so at
 600 tokens the decoder's activations, not the vocabulary, dominate the step.
 
-At full size, ``--threads 1``, loaded 2-core CPU (24 GB; the run at 8 without checkpointing
-peaks at 18.5 GB, so run it with little else beside it):
-
-    batch x tokens   growth off   growth on   ratio on/off (growth; peak)
-    1 x 600            1530 MB      512 MB      0.33x; 0.74x
-    2 x 600            4029 MB     1314 MB      0.33x; 0.57x
-    8 x 600           16158 MB     3976 MB      0.25x; 0.34x   (the default: the issue's goal <= 0.5x, met)
-
-A check at a small size (``--layers 2 --seq 192 --batch 2 --threads 1``,
-shared 2-core CPU; MB = 2**20 bytes), where fixed costs (the [B, answer, V] logits, the
-projector's gradients, allocator slack) outweigh two layers' activations:
-
-    checkpointing   peak growth       peak
-    off                  199 MB    1280 MB
-    on                   139 MB    1220 MB
-    ratio on/off          0.70x      0.95x
+Results: benchmarks/README.md, section ``activation_memory.py``; docs/cluster.md reads them.
 """
 
 from __future__ import annotations
@@ -51,15 +36,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, status_kb, write_json  # noqa: E402
+
 QWEN25_05B = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864}
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _trajectories(model, batch, args):
@@ -122,7 +102,7 @@ def child(args: argparse.Namespace) -> dict:
             before = torch.cuda.memory_allocated()
         else:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            before = _status_kb("VmRSS") * 1024
+            before = status_kb("VmRSS") * 1024
         out = model.score(traj)
         loss = -(out.logp_answer.sum() + out.logp_budget.sum() + out.logp_control.sum())
         loss.backward()
@@ -130,7 +110,7 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _status_kb("VmHWM") * 1024
+            peak = status_kb("VmHWM") * 1024
     lengths = [len(p) + len(s) for p, s in zip(traj.prompt_ids, traj.suffix_ids)]
     return {"checkpointing": args.checkpointing, "growth_mb": (peak - before) / 2**20, "peak_mb": peak / 2**20,
             "before_mb": before / 2**20, "text_tokens_max": max(lengths), "dtype": str(next(model.parameters()).dtype),
@@ -174,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ratio on/off':14} {growth:>11.2f}x {total:>9.2f}x   (acceptance: growth <= 0.5x: "
           f"{'met' if growth <= 0.5 else 'not met'})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), **results, "growth_ratio": growth,
-                                              "peak_ratio": total}, indent=1))
+        write_json(args.out, {"args": vars(args), **results, "growth_ratio": growth, "peak_ratio": total},
+                   __file__, argv)
     return 0
 
 

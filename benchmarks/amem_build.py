@@ -15,16 +15,21 @@ once) or ``drop_closed`` (off: finished rows stay in the batch, fed padding, unt
 ends; on: they leave it). Prints seconds per note of each, the ratio, and whether both built the
 same notes (keywords, context, tags, links): both settings must give the same greedy tokens.
 ``--out`` writes it as JSON.
+
+Results: benchmarks/README.md, section ``amem_build.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import write_json  # noqa: E402
 
 
 def build_once(examples, backbone, options: dict[str, bool], batch_size: int) -> tuple[float, int, list]:
@@ -93,10 +98,8 @@ def main(argv=None) -> None:
     print(f"median s/note: {off} {statistics.median(times[off]):.2f}, {on} {statistics.median(times[on]):.2f}; "
           f"off / on = {ratio:.2f}x; same notes: {same}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"compare": args.compare, "seconds_per_note": times, "ratio": ratio,
-                                              "same_notes": same, "conversations": len(firsts), "turns": args.turns},
-                                             indent=2))
+        write_json(args.out, {"compare": args.compare, "seconds_per_note": times, "ratio": ratio, "same_notes": same,
+                              "conversations": len(firsts), "turns": args.turns}, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -15,71 +15,15 @@ Everything is measured in this process and reported as ratios against a
 baseline measured in the same process (machines are noisy), next to the
 absolute numbers. Nothing is hard-coded.
 
-1. Builder vs ceiling (DESIGN.md 1.1, 3.1). Corpus: the synthetic persona
-   task generated in-process with the settings of configs/quickstart.yaml
-   (``data.synthetic``, ``chunking``, ``bank``; all splits), optionally capped
-   with ``--max-chunks`` (whole histories are kept, so the count can overshoot
-   a little). *Builder*: ``build_bank`` end to end into a fresh temp folder
-   (tokenisation, planning, length-sorting, encoding, writing and hashing
-   shards, chunks.jsonl, manifest). *Ceiling*: the same batches (token ids from
-   ``make_plan``, length-sorted per shard exactly as ``encode_shard`` does,
-   right-padded, tensors built before the clock starts) through
-   ``model.get_decoder()(input_ids, attention_mask, use_cache=False)`` under
-   ``torch.inference_mode()`` and nothing else. One untimed warm-up of each,
-   then ``--repeats`` interleaved builder/ceiling runs; medians and the ratio
-   builder/ceiling (goal >= 0.9) are reported. Forward hooks on the decoder and
-   perf_counter wrappers around the builder's phase functions (make_plan,
-   encode_shard, _write_shard, _write_chunks, _prepare_dir) time the phases of
-   every builder run (cost: two perf_counter calls per call, microseconds).
-   Bytes: every file in the bank folder / (num_chunks * n_cache * d * bytes per
-   cache value) (goal <= 1.02), with the payload broken down, for float32
-   (the CPU default, from the timed runs) and float16 (the GPU default, one
-   extra build, its time reported as a single run).
-
-   ``--models`` takes ``backbone.name_or_path`` values or ``SHAPE-random`` (``qwen2.5-3b-random``:
-   random weights in Qwen2.5-3B's decoder shape, ``elasticmem.backbone.RANDOM_SHAPES``, with the
-   tiny tokenizer; no download), on ``--device`` (default auto: CUDA where present, where the
-   timed cache dtype is float16, and the peak GPU memory of the builder and ceiling runs is
-   reported; on CUDA the CPU-share guard below is off).
-
-2. Search latency and recall@k at each ``--sizes`` of random keys of width
-   ``--dim`` (L2-normalised Gaussian, fixed seed) written as a real bank folder
-   (shards via ``builder._write_shard``, ``--shard-rows`` rows each like the
-   builder default, a manifest; the content cache is a dummy n_cache=1 float16
-   zero slot to save disk: search reads only keys). Indexes from
-   ``build_index(bank, IndexConfig(type=..., save=False))``: ``torch`` (exact,
-   the baseline), ``flat`` (FAISS exact), ``ivf`` (nprobe values) and ``hnsw``
-   (ef_search values), plus a reference row ``torch-ram`` (the same matmul+topk
-   on keys already concatenated in RAM; not project code) that shows what
-   ``TorchIndex`` spends gathering keys from the shards at every call. Two query
-   sets of ``--num-queries``: ``gauss`` (independent normalised Gaussians; the
-   hardest case for approximate indexes, there is no structure) and ``noisy``
-   (a stored key plus Gaussian noise of norm ~``--noise`` (0.5 gives cosine
-   ~0.89 to its source key), like a query state close to one memory). Recall@k
-   is |approx top-k ∩ exact top-k| / k against the torch result; for ``noisy``
-   also ``self@k``: how often the source key is in the top-k. Latency is ms per
-   batch of all queries (one ``search`` call), median of ``--search-repeats``
-   after one warm-up call. Index build time is one measurement.
-
-   ``--keys real`` replaces the Gaussian keys with keys that have the structure of real ones
-   (isotropic Gaussians have none, so approximate indexes look worse or better on them than on
-   real banks): the keys of a bank built by ``build_bank.py`` (``--real-bank``) grown to each
-   size (``RealKeys``: each new key interpolates two real keys and adds noise with the real keys'
-   covariance) and, instead of ``gauss``, the query set ``real``: the same model's frozen query
-   states of the questions in ``--real-data``. The structure of the real keys, the grown keys
-   and the queries is printed (``key_structure``) so the two can be compared.
-
-The machine may be shared: before every timed run the script waits (up to
-``--quiet-wait`` s) until other processes leave the CPUs mostly idle; a timed
-run whose compute threads then get less than ``--min-cpu-share`` of their CPUs
-(process CPU s / (wall s x torch threads), measured over the decoder forwards
-for builds and over the whole call for searches) is thrown away and rerun (up
-to ``--max-retries`` times; the last try is kept whatever happens). The CPU
-share of every kept run is reported, so runs slowed by other load can still
-be told apart.
+The baselines: for the builder (``build_bank`` end to end), bare batched
+forwards over the same batches (goal >= 0.9); for the bank's bytes, the ideal
+cache bytes (goal <= 1.02); for FAISS ``flat``, ``ivf`` and ``hnsw`` search,
+exact ``torch`` search (latency ratio, recall@k against it).
 
 A summary table is printed at the end; ``--out PATH`` also writes it as JSON
 (rewritten after each section, so a partial run leaves its results).
+
+Method and results: benchmarks/README.md, section ``bank_build.py``.
 """
 
 from __future__ import annotations
@@ -89,9 +33,7 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -99,9 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, cpu_name, log, med, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -111,14 +52,6 @@ from elasticmem.bank.store import CHUNKS, MANIFEST, Bank  # noqa: E402
 from elasticmem.config import BackboneConfig, IndexConfig, MemoryConfig, load_config  # noqa: E402
 from elasticmem.data.chunking import chunk_history  # noqa: E402
 from elasticmem.data.synthetic import generate  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def med(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
 
 
 def cpu_seconds() -> float:
@@ -981,14 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         faiss_version = faiss.__version__
     except ImportError:
         faiss_version = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     report: dict[str, Any] = {"env": {
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "faiss": faiss_version,
         "cpu": f"{cpu} x{os.cpu_count()}", "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -998,8 +924,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_partial():
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({**report, "partial": True}, indent=1, default=str))
+            write_json(args.out, {**report, "partial": True}, __file__, argv)
 
     if not args.skip_build:
         cfg, examples, n_chunks, n_groups = load_corpus(args.config, args.max_chunks)
@@ -1057,9 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"total {report['total_s']:.0f} s")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {args.out}")
+        write_json(args.out, report, __file__, argv)
+        log(f"wrote {args.out}")
     return 0
 
 

@@ -22,12 +22,15 @@ of every part are the real ones.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ElasticMem / text RAG: latency {ratios['latency_ratio']:.2f}x, #Tok {ratios['tokens_ratio']:.3f}x; "
           f"retrieval is {100 * ratios['retrieval_share_elasticmem']:.1f}% of ElasticMem's latency")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"median": med, "runs": runs, **ratios}, f, indent=1)
+        write_json(args.out, {"median": med, "runs": runs, **ratios}, __file__, argv)
     return 0
 
 

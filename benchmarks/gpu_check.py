@@ -51,6 +51,8 @@ and that the JSON has every figure, not the figures themselves. The JSON (``--ou
 environment, the preflight, each stage's status (ok / failed / timeout / skipped), seconds, log
 tail and figures, the test outcomes, and the path of each benchmark's full JSON (kept with the
 logs in ``<out without .json>/``). docs/cluster.md says how to read it.
+
+Summary: benchmarks/README.md, section ``gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, log as _log  # noqa: E402
+
 ROLLOUT_GOAL = 10.0
 ACTIVATION_GOAL = 0.5  # peak growth with checkpointing / without (issue 39's acceptance)
 # Seconds per stage. On a GPU they sum to 10 minutes, the check's budget (a stage that needs more
@@ -99,7 +103,7 @@ OPTIONAL = ("bitsandbytes", "trl", "deepspeed", "pytest")
 
 
 def log(msg: str) -> None:
-    print(f"[gpu_check] {msg}", flush=True)
+    _log(f"[gpu_check] {msg}")  # tagged: the failed stages' log tails are printed between these lines
 
 
 # =========================================================================== stages in their own process

@@ -6,129 +6,18 @@
     python benchmarks/grpo_step.py --models tiny --tiny-steps 10     # quick (under a minute)
     python benchmarks/grpo_step.py --steps 3 --out /tmp/grpo_step.json
 
-Models (``--models``): ``tiny`` (the tiny preset, ``configs/tiny.yaml``), ``smollm2`` (SmolLM2-135M on
-``configs/quickstart.yaml``) and ``qwen2.5-3b-random``: the tiny preset (tiny task, tiny tokenizer, its
-LoRA, policy and projector settings) with the model shaped like Qwen2.5-3B
-(``elasticmem.backbone.random_shape("qwen2.5-3b")``: hidden 2048, 36 layers, 16 heads, 2 KV heads, MLP
-11008; the preset's tokenizer settings and seed are kept), random weights. Only the decoder is 3B-shaped:
-the vocabulary, hence the embedding and the (tied) LM head, is the tiny tokenizer's (~80 tokens, not
-Qwen's 151k), so logits, sampling and the log-softmax cost far less than Qwen2.5-3B's, and the tiny task's
-sequences are short (~10-20 tokens), so a step is dominated by the 36 layers' kernels and weight reads,
-not by FLOPs. It runs ``--steps`` steps (``--tiny-steps`` is the tiny model's). The random model is
-built (initialised on the CPU with all cores: ~80 s on 2 cores) once per run: every system (the
-script's own backbone, which builds the banks and is TRL's model, and each of our two trainer runs,
-which load their own) gets a deep copy of that CPU model (``elasticmem.backbone.build_tiny_model`` is
-wrapped for the run; the copy is exactly what a rebuild with the same seed gives), which
-``load_backbone`` then moves to the device in its dtype; so 1 build and 3 copies per run. Each load also
-hashes the weights (the bank fingerprint, 3 times), so at 3B most of a run is setup, not the steps.
+Both systems run the same GRPO steps in this process, one after the other: the same model, B
+queries x G trajectories, LoRA, and queries in the same order. Prints, per model, the median
+seconds per step (the first step dropped), split into rollout / score / backward / other, of
 
-Device (``--device``): ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto`` (CUDA if available). Both
-systems run on it, one after another in this process. On CUDA the chosen GPU is made the only visible one
-(``CUDA_VISIBLE_DEVICES``, set before CUDA starts: TRL's Trainer always takes ``cuda:0`` and refuses
-several visible GPUs) and the model is in bfloat16 for both (``backbone.dtype=auto``): our trainer gets
-``backbone.device=cuda`` and its ``train.mixed_precision=auto`` (bf16 autocast); TRL gets the script's backbone
-(already on the GPU in bf16; the Trainer's ``model.to(cuda:0)`` is then a no-op), ``use_cpu=False`` and
-``bf16=True`` (bf16 autocast). Both add LoRA with PEFT's default (adapter weights in float32, their
-matmuls in bf16 under the autocast). On ``cpu`` the GPUs are hidden (and ``ACCELERATE_USE_CPU`` set),
-the model is in float32 and TRL gets ``use_cpu=True``, ``bf16=False``.
-Timing on CUDA: a step's clock stamps are taken after ``torch.cuda.synchronize()`` in both systems: TRL's
-step callback (``on_step_begin``/``on_step_end``) and its part wrappers synchronize before reading the
-clock, and our trainer's clock (its ``time`` module is replaced for the run, see ``CPU s/step``)
-synchronizes at every stamp. Our trainer itself reads the clock unsynchronized, but synchronizes right
-after most stamps anyway (the rollout ends with the answers decoded to text; ``bool(isfinite(loss))``
-follows the score stamp; ``LossLog.add``'s ``float(loss)`` follows the backward stamp; ``float(grad_norm)``
-precedes the optimizer step), so the added syncs cost it next to nothing and only move the waits into the
-part they belong to; without them the step total would just miss the AdamW kernels after the last sync.
-TRL too synchronizes at those points itself (its loss ends with ``.item()`` on logged metrics, the
-Trainer checks ``isnan(loss)`` after backward, the generation is decoded), so neither system pays for the
-added syncs beyond a few microseconds. Peak GPU memory per system
-(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` when the system starts; TRL's
-includes the model it is given, ours the model its trainer loads) is printed and written as
-``peak_gpu_mb`` (``peak_gpu_reserved_mb``: the allocator's reserve); before the next system starts the
-previous one's model is released (del, ``gc.collect``, ``torch.cuda.empty_cache``), so the peaks are per
-system; ``gpu_mb_after`` is what was still allocated after the release. The results record the device
-name and dtype.
+* **trl**: ``trl.GRPOTrainer`` on a text-memory prompt (the top-Z retrieved chunks as text);
+* **ours (text-equiv)**: our trainer with every retrieved memory injecting as many soft tokens
+  as its chunk has text tokens: the same work up to text vs soft tokens;
+* **ours (default)**: the preset's ElasticMem, for reference;
 
-Prints, per model, the median seconds per GRPO step (rollout -> rewards ->
-advantages -> scoring forward -> loss -> backward -> clip -> AdamW) of
+and the ratio ours (text-equiv) / TRL (``--goal``, 1.0 by default). ``--out`` writes it all as JSON.
 
-* **trl**: ``trl.GRPOTrainer`` (the installed TRL, 1.16 when written) on a
-  *text-memory* prompt: the texts of the top-Z retrieved chunks, then the
-  question, then the options suffix (each chunk followed by "\\n", then the
-  question, then the preset's ``memory.suffix_template`` with the options
-  filled in; under ``prompt_template: chat``, as in quickstart.yaml, all of it
-  is the user turn of the tokenizer's chat template, rendered here and given to
-  TRL as a plain string, as ElasticMem renders its own prompt). The Z chunks
-  are retrieved once, before training, with the bank's exact index
-  (``TorchIndex``) from the *frozen* model state (final-layer state of the
-  last token of ElasticMem's prompt(q), no adapter: ``memory.retrieval=frozen``).
-  Reward: ``mc_letter_reward`` on the stripped completion. Settings:
-  ``num_generations=G``, ``per_device_train_batch_size=B*G`` (TRL counts
-  completions), ``gradient_accumulation_steps=1``, ``num_iterations=1``,
-  ``max_completion_length=max_new_tokens``, temperature 1.0 with top_k 0 /
-  top_p 1 (plain sampling, like ours), ``beta=0`` (no reference model),
-  ``loss_type="grpo"``, ``epsilon`` = our clip_eps (0.05), the preset's lr /
-  weight decay / grad clip, cosine schedule, ``use_cpu``/``bf16`` by device (above),
-  activation (gradient) checkpointing off (TRL defaults it to on, which would
-  make it recompute activations; we do not), LoRA through ``peft_config`` with
-  the preset's r / alpha / dropout / target modules (minus ``lm_head``, which
-  TRL refuses; dropped for both systems, which only affects the tiny preset).
-  Note that TRL samples with the model in train mode (LoRA dropout on), we in
-  eval mode. Each step is timed by a ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``, which spans
-  generation, rewards, the loss forward, backward and the optimizer step); the
-  split comes from wrapping ``_generate_and_score_completions`` (rollout),
-  ``compute_loss`` (score) and ``accelerator.backward`` (backward).
-* **ours (text-equiv)**: ``elasticmem.grpo.trainer.train`` with the same model,
-  B, G, max_new_tokens and LoRA, on ElasticMem with ``memory.top_z=Z``,
-  ``memory.policy.variant=uniform`` and ``uniform_budget = max_budget =
-  n_cache = chunking.max_tokens``, over a bank built with ``n_cache =
-  chunking.max_tokens``: every retrieved memory injects its *whole* cached
-  state sequence, i.e. exactly as many soft tokens as the chunk has text tokens
-  (``c_j = L_j``). Retrieval keeps the preset's mode (tiny presets: ``frozen``, so the
-  very chunks TRL's prompts hold, up to bf16 rounding on a GPU; SmolLM2: ``control``, the method's
-  control-token retrieval, so the chunks and their lengths differ a little:
-  compare the token columns). This is the same work as TRL's up to the
-  text-vs-soft-token difference, plus ElasticMem's own parts (control token,
-  projector).
-* **ours (default)**: the same, with the preset's ElasticMem (transformer
-  budget policy, preset ``max_budget``) over a bank with the preset's
-  ``n_cache``: the method as configured, for reference.
-
-Our step times come from the run's ``metrics.jsonl`` (``time/rollout``,
-``time/score``, ``time/backward``, ``time/total``); ``other`` = total - the
-three (advantages, grad clip, AdamW, scheduler). Next to the wall time, the
-process CPU time of each step is printed (``CPU s/step``; ours: the trainer's
-clock is wrapped so that the same two stamps that bound ``time/total`` also
-record ``time.process_time()``): with one thread it is close to the wall time
-on an idle machine and much less sensitive to other jobs on a shared one.
-``micro_batch_size`` is B*G (one scoring forward/backward per step, like TRL
-with ``gradient_accumulation_steps=1``; ``--micro-batch`` changes it). No
-evaluation, checkpoints only at the end (outside the timed steps). The first
-step of every run is a warm-up and is dropped; the rest give the median. The
-ratio is median ours (text-equiv) / median TRL (goal <= 1.0); ours
-(default) / TRL is printed too.
-
-Data: the tiny models train on the tiny synthetic task (``configs/tiny.yaml``,
-``data.synthetic``), SmolLM2 on the persona task (``configs/quickstart.yaml``),
-written with ``write_synthetic`` into a temp dir. Both systems see the same
-queries in the same order: the B queries of step k are those our
-``QuerySampler`` draws (seeded permutation of the train split), and TRL's
-dataset is those queries in that order with ``shuffle_dataset=False``. Banks
-hold the histories of all training queries (our trainer checks that every
-example of its split has its history in the bank; built with ``build_bank``
-using the backbone before anything wraps it; cache float32). Model settings are the
-preset's (``memory.*``, ``train.lr``...), except ``top_z`` (SmolLM2: 4 by
-default, ``--top-z``) and the settings above. SmolLM2 needs ``python -m
-elasticmem.backbone fetch smollm2`` once (skipped with a message otherwise).
-
-Threads: ``--threads 1`` by default (on a shared 2-core machine two intra-op
-threads fighting other jobs make small ops 5-10x slower and times swing; the
-random 3B model's one-off initialisation uses all cores); the three runs of a
-model run one after another in this process, so a busy machine affects them
-unevenly; the load average is printed. On the shared
-machine this was written on, the tiny model's ratio (a step is ~30-60 ms,
-mostly fixed Python overhead) moved between 1.1x and 1.5x from run to run, and
-SmolLM2's between 0.6x and 0.85x.
+Method and results: benchmarks/README.md, section ``grpo_step.py``.
 """
 
 from __future__ import annotations
@@ -139,7 +28,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -151,11 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, cpu_name, log, med, write_json  # noqa: E402
 
-import torch
+import torch  # noqa: E402
 
 import elasticmem.backbone.load as backbone_load  # where load_backbone looks build_tiny_model up
 from elasticmem.backbone import RANDOM_MODELS, load_backbone, random_shape
@@ -173,14 +60,6 @@ TINY_PRESET = REPO / "configs" / "tiny.yaml"
 PRESETS = {"tiny": TINY_PRESET, "smollm2": REPO / "configs" / "quickstart.yaml",
            **dict.fromkeys(RANDOM_MODELS, TINY_PRESET)}
 PARTS = ("rollout", "score", "backward", "other")
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def mean(xs: Sequence[float]) -> float:
@@ -776,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"GRPO step benchmark: torch {torch.__version__}, transformers {transformers.__version__}, "
         f"trl {trl.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-        f"{platform.processor() or platform.machine()}, load avg {os.getloadavg()[0]:.2f}; device {dev.name}"
+        f"{cpu_name()}, load avg {os.getloadavg()[0]:.2f}; device {dev.name}"
         + (f" (CUDA {torch.version.cuda})" if dev.cuda else ""))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elasticmem-grpo-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -799,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "argv": sys.argv[1:],
                 "load_avg": loads, "device": dev.kind, "device_name": dev.name,
                 "cuda": torch.version.cuda if dev.cuda else None}
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_json(args.out, {"meta": meta, "results": results}, __file__, argv)
         log(f"wrote {args.out}")
     return 0
 

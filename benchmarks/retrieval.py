@@ -50,19 +50,24 @@ fraction of a question's evidence chunks in the top k), and the seconds the mode
 (model load + retrieval); then the total wall time. ``--out`` writes all of it as JSON.
 Questions without evidence (or whose evidence names no turn of the history) are counted and
 left out.
+
+Results: benchmarks/README.md, section ``retrieval.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import write_json  # noqa: E402
 
 MODES = ("random", "frozen", "query_only", "control", "semantic")
 """The modes of a bank with the paper's keys."""
@@ -230,15 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result))
     print(f"wall time {wall:.1f} s")
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"config": args.config, "overrides": args.overrides, "data_dir": cfg.data.dir, "bank_dir": cfg.bank.dir,
                 "model": cfg.backbone.name_or_path, "splits": args.splits, "checkpoint": args.checkpoint,
                 "maps": args.maps, "bank_key": result.get("bank_key"),
                 "limit": args.limit, "wall_s": wall}
-        with open(args.out, "w") as f:
-            json.dump({**meta, **result}, f, indent=1)
+        write_json(args.out, {**meta, **result}, __file__, argv)
     return 0
 
 

@@ -5,113 +5,14 @@
     python benchmarks/rollout.py --batch 2 --group 8 --out /tmp/rollout.json
     python benchmarks/rollout.py --models qwen2.5-3b-random --device cuda --goal 10 --out /tmp/rollout.json  # GPU
 
-Models (``--models``): ``tiny`` (the test model, ``--tiny-repeats`` rounds), ``smollm2``
-(SmolLM2-135M-Instruct, fetched once) and ``qwen2.5-3b-random``: a random Qwen2 with
-Qwen2.5-3B's decoder shape (``elasticmem.backbone.random_shape``: d 2048, 36 layers, 16 query /
-2 KV heads, MLP 11008; no download). Its vocabulary, and so its embedding and LM head, is the
-tiny word-piece tokenizer's (a few hundred rows, not Qwen's 151k), so the per-token LM-head and
-sampling cost is far below the real model's, and a random model's answers run to
-``max_new_tokens`` or stop at a random EOS: it measures the decoder's cost at the real width and
-depth, not the real model's output lengths. Building it takes ~80 s on 2 CPU cores (float32 on
-the CPU, then moved and cast); the time is printed and recorded (``load_seconds``). The last
-two use ``--repeats`` rounds.
+Prints, per model, trajectories/s of the batched path (``ElasticMem.sample(batch, group_size=G)``)
+and of the baseline, a re-implementation in this file of the reference code's loop with the SAME
+model parts, so only the batching differs; their ratio batched / baseline (``--goal``), the
+per-phase split, and the batched rollout's seconds over a compute floor (one bare batched forward
+over exactly the positions it processed; goal <= 1.2). A greedy equivalence check of the two
+paths runs first. ``--out`` writes it all as JSON.
 
-``--device``: ``cpu`` (default), ``cuda``, ``cuda:1``, or ``auto`` (CUDA if available). The
-compute dtype is ``backbone.dtype: auto``'s: bfloat16 on CUDA, float32 on CPU.
-
-Prints, per model, trajectories/s of
-
-* **batched**: ``ElasticMem.sample(batch, group_size=G)``: B queries x G
-  trajectories in one call (one padded prompt forward per batch, KV cache
-  repeated G times for the control token, one batched retrieval, one policy
-  call, one projector call, one ``generate`` over B*G left-padded sequences);
-* **baseline**: a faithful re-implementation, in this file, of the reference
-  code's loop (ulab-uiuc/ElasticMem ``grpo_rollout``) with the SAME model parts,
-  so only the batching differs. For each query and each of its G trajectories
-  separately: forward the prompt (batch 1, no padding) -> control-token logits,
-  sample a, forward a on the prompt's KV cache -> h, top-Z retrieval for that
-  one query (``model._retrieve``), the budget policy on that one trajectory
-  (``model.policy.sample``), gather + project its caches (``model._soft_tokens``),
-  ``assemble`` one Layout, then decode ``max_new_tokens`` tokens by hand: one
-  forward over the whole embedding sequence with ``use_cache=True``, then one
-  token at a time on the KV cache (``model.base(input_ids=tok, cache=...)``),
-  sampling from softmax(logits) with ``torch.multinomial`` and stopping at EOS.
-
-and their ratio batched / baseline (``--goal``: 3x at B*G = 16 on CPU; the GPU check passes 10), next to
-absolute trajectories/s and the per-phase split (``Trajectories.timings`` for
-the batched path; the same three phases timed in the baseline: retrieval =
-text encoding + prompt/control forwards + top-Z, policy, generation = soft
-tokens + assembly + decoding).
-
-Inputs: the synthetic persona task (``elasticmem.data.synthetic.generate`` with
-``configs/quickstart.yaml``'s ``data.synthetic`` and seed) for both models.
-The B queries are the first example of each of the first B histories (one
-query per history, as a shuffled GRPO batch would have); a bank of those
-histories (``chunking``/``bank`` settings of the same preset; cache dtype float32
-on CPU, float16 on CUDA: ``bank.cache_dtype: auto``'s, what a GPU run would store) is
-built in-process with ``build_bank`` into a temp folder using the
-same backbone BEFORE ElasticMem wraps it with peft (in place). Model settings
-are ``MemoryConfig()`` defaults (the paper's: top_z 20, B_max 20, policy d_b 256,
-projector d_p 2560, LoRA r 16 on q/k/v/o) with max_new_tokens 5, unless a flag
-overrides them; weights of LoRA (B = 0 as peft initialises it), policy and
-projector are untrained, seeded. The model is in eval mode and everything runs
-under ``torch.no_grad()`` on ``--device``; every tensor this file makes (prompt ids, the
-floor's index tensors) is made on the model's device, sampled tokens stay there.
-
-**Compute floor** (issue 15's CPU yardstick): after every timed batched call, one bare batched
-forward over exactly the positions that rollout processed, at the same batch size: each
-trajectory's recorded [prompt, a, soft tokens + separators, suffix, answer tokens but the last]
-(the last sampled token is never fed back), assembled and left-padded by ``assemble`` before the
-clock starts, through the decoder once (``use_cache=False``), then the LM head on only the
-positions whose logits the rollout needed (the last suffix token and each fed answer token), under
-``torch.no_grad()``. No sampling, retrieval, policy, projector or cache bookkeeping: the least
-compute that produces those logits with this model (prompts repeated per trajectory, as the
-batched rollout repeats them). Reported: batched rollout seconds / floor seconds (medians; goal
-<= 1.2), and the peak resident memory of the process (``ru_maxrss``; for the whole process,
-so with ``qwen2.5-3b-random`` it is the float32 build on the CPU, ~12 GB, not the rollouts).
-On CUDA also the peak GPU memory (``torch.cuda.max_memory_allocated``, reset after the
-checks below, so it is the warm-up, the timed rollouts and floors on top of what is resident:
-weights, LoRA, policy, projector) as ``peak_gpu_mb``, with the resident part at the reset as
-``gpu_resident_mb``; the GPU's name and the compute dtype are recorded.
-
-Equivalence check (once, at the start, per model): the baseline in greedy mode
-(argmax control token, argmax budgets, argmax answer tokens) must give the same
-control token, retrieved rows, budgets and answer tokens as
-``model.greedy([ex])`` for ``--check`` examples; the script stops otherwise. Both checks
-(this one and the compute floor's) run in float32: a model in another dtype (bfloat16 on CUDA)
-has its weights cast to float32 for them and back after (bfloat16 -> float32 -> bfloat16 is
-exact; each tensor gets its own dtype back, so peft's float32 LoRA weights stay float32).
-They check which tokens and positions the paths process; in bfloat16 the batched,
-padded, uncached kernels and the one-at-a-time ones round differently, enough to flip the
-argmax of a random model's near-tied logits, which would stop the run without any error in
-the code.
-
-Threads: ``--threads 1`` by default. On the shared 2-core machine this was
-written on, two intra-op threads competing with other jobs made every small op
-5-10x slower and run-to-run times swing 3x (OpenMP threads waiting for a core);
-one thread gives stable numbers. ``--threads 2`` (or 0, torch's choice) on an
-idle machine.
-
-Timing: one untimed warm-up of each path, then ``--repeats`` rounds, each
-timing one batched call and one baseline pass over the same B examples x G
-trajectories (the order alternates between rounds). Medians are reported; the
-ratio is median batched traj/s / median baseline traj/s. Budgets and answers
-are sampled, so sequence lengths differ between runs; the mean injected soft
-tokens and generated tokens per trajectory of each path are printed so the
-work can be compared. On CUDA, kernels run asynchronously: every clock read of this file
-(each batched call, baseline pass and compute floor, and the baseline's phase clocks) is
-preceded by ``torch.cuda.synchronize``, so a region's time is the GPU work it queued, not the
-time to queue it. The batched path's phase split (``Trajectories.timings``, read inside the
-model) is not synchronized by this file, but each of its phase ends follows a copy to the CPU
-that waits for the GPU (query states for the top-Z search, budgets, answer ids).
-
-Choices that make the baseline a little faster than the reference code (so the
-ratio is, if anything, conservative): the answer-prefill forward computes
-logits for the last position only (``logits_to_keep=1``; the reference computes
-them for every position, ``--full-logits`` restores that), and no forward is run
-after the last answer token (the reference runs one). Like the brief, and unlike
-the reference (which extends the [prompt, a] KV cache with the memories and
-suffix), the answer prefill re-reads the whole sequence; the prompt is ~1-5% of it.
+Method and results: benchmarks/README.md, section ``rollout.py``.
 """
 
 from __future__ import annotations
@@ -121,9 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -133,9 +32,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, cpu_name, log, med, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -149,10 +47,6 @@ from elasticmem.model.injection import Layout, assemble  # noqa: E402
 from elasticmem.model.projector import ProjectorConfig  # noqa: E402
 
 PHASES = ("retrieval", "policy", "generation")
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -184,10 +78,6 @@ def float32_weights(module: torch.nn.Module) -> Iterator[None]:
             t.data = t.data.to(dt)
         if low and any(t.is_cuda for t in low):
             torch.cuda.empty_cache()
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 # =========================================================================== setup
@@ -427,7 +317,7 @@ def bench_model(model_name: str, args, workdir: Path) -> dict[str, Any] | None:
     dtype = next(model.base.parameters()).dtype
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "top_z larger than a group" is reported below instead
-        with float32_weights(model.lm):  # see the module docstring: the checks are of positions, not rounding
+        with float32_weights(model.lm):  # the checks are of positions, not rounding (benchmarks/README.md)
             n_ok = check_equivalence(model, batch, args.check, args.full_logits)
             log(f"[{model_name}] check passed: greedy baseline == model.greedy([ex]) on {n_ok} example(s) "
                 f"(control token, rows, budgets, answer tokens){'' if dtype == torch.float32 else ', in float32'}")
@@ -586,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-logits", action="store_true",
                    help="baseline prefill computes logits at every position, as the reference code does")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads; 0 = torch's choice (see the module docstring)")
+                   help="torch.set_num_threads; 0 = torch's choice (one by default: benchmarks/README.md says why)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goal", type=float, default=3.0, help="batched/baseline goal (3 on CPU; the GPU check passes 10)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
@@ -597,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     gpu = f", {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})" if device.type == "cuda" else ""
     log(f"rollout benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}{gpu}; device {device}; "
+        f"{os.cpu_count()} CPUs, {cpu_name()}{gpu}; device {device}; "
         f"B={args.batch}, G={args.group}")
     workdir = Path(tempfile.mkdtemp(prefix="elasticmem-rollout-bench-"))
     results = []
@@ -617,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                 "device": str(device), "cuda": torch.version.cuda if device.type == "cuda" else None,
                 "argv": sys.argv[1:], "load_avg": os.getloadavg()}
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_json(args.out, {"meta": meta, "results": results}, __file__, argv)
         log(f"wrote {args.out}")
     return 0
 

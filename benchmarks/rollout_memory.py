@@ -20,20 +20,7 @@ the rollout - VmRSS before it) in MB and in [N, V] float32 buffers, next to the 
 ``elasticmem/model/elasticmem.py`` taken from git revision REV (the rest of the package from
 this checkout), for a before/after table.
 
-Measured on the shared 2-core CPU machine this was written on (``--compare`` with the commit
-before the change, 1 thread; MB = 2**20 bytes):
-
-    N=64 V=152064: one [N, V] float32 buffer = 37 MB, [N, T, V] = 594 MB at T=16
-    kind     code       T  peak RSS growth  [N, V] buffers
-    sample   before    16          1831 MB            49.3
-    sample   after     16           275 MB             7.4
-    greedy   before    16          1800 MB            48.5
-    greedy   after     16           154 MB             4.2
-
-Before, every step's logits were kept (``output_logits``), stacked and log-softmaxed (3 x
-[N, T, V]), in greedy evaluation too; after, sampling holds one step's log-softmax next to
-transformers' own per-step buffers, and greedy computes no log-probs. The rest of the growth
-is the forward passes (prefill activations, KV cache), the same in both.
+Results: benchmarks/README.md, section ``rollout_memory.py``.
 """
 
 from __future__ import annotations
@@ -47,14 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, status_kb  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -85,10 +66,10 @@ def child(args: argparse.Namespace) -> dict:
         repeated = [ex for ex in batch for _ in range(args.group)]
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = _status_kb("VmRSS")
+        before = status_kb("VmRSS")
         with torch.no_grad():
             traj = model.sample(batch, group_size=args.group) if args.kind == "sample" else model.greedy(repeated)
-        peak = _status_kb("VmHWM")
+        peak = status_kb("VmHWM")
     N, T = traj.answer_ids.shape
     return {"kind": args.kind, "N": N, "T": T, "V": args.vocab, "peak_growth_mb": (peak - before) / 1024}
 

@@ -24,13 +24,14 @@ ratios measured in this run: batching on / off (requests/s and p50) per system a
 ElasticMem / text RAG per batching mode and level. ``--out`` writes all of it as JSON. The model
 is untrained unless ``--checkpoint`` names one: the costs of every part are the real ones (budgets
 are then the untrained policy's). The benchmark process itself uses a second core for the clients.
+
+Results: benchmarks/README.md, section ``serve.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import shutil
@@ -43,7 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import REPO, write_json  # noqa: E402
+
 LOCOMO = REPO.parent / "shared" / "data" / "locomo10.json"
 
 
@@ -293,10 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t_start
     print(f"\ntotal {total:.0f} s", file=sys.stderr)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "preload": pre, "runs": runs,
-                       "ratios": ratios, "total_s": total}, f, indent=1)
+        write_json(args.out, {"args": vars(args), "preload": pre, "runs": runs, "ratios": ratios, "total_s": total},
+                   __file__, argv)
     return 0
 
 

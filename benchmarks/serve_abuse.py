@@ -51,6 +51,8 @@ Loopback only, bounded in requests and time. ``--scenario`` (comma-separated, de
 
 Prints a table per scenario and the acceptance figures; ``--out`` writes all of it as JSON, with
 the load average before and after (other work on the machine shows there).
+
+Results: benchmarks/README.md, section ``serve_abuse.py``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench import write_json  # noqa: E402
 from serve import ServerProcess, _drive, _pct  # noqa: E402
 
 KEYS = {"sk-bench-a-0123456789": {"tenant": "a", "groups": ["a/*"]},
@@ -351,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {result['total_s']:.0f} s; load average before {result['loadavg_before']}, "
           f"after {result['loadavg_after']}", file=sys.stderr)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result, __file__, argv)
     return 0
 
 

@@ -12,53 +12,7 @@ bytes per rank). Cached (``elasticmem.backbone.weights_identity`` +
 the safetensors headers and one small JSON file. This script measures both,
 in this process, and prints the ratio cached / computed next to the seconds.
 
-Model folders are written into a temp dir (``--workdir``; deleted at the end
-unless ``--keep``) with Qwen2 shapes, bf16 safetensors like the released
-checkpoints, and a real tokenizer (SmolLM2's, 49k-token BPE, when it is cached;
-else the tiny word-piece one):
-
-* ``0.5b``: Qwen2-0.5B (hidden 896, 24 layers, intermediate 4864, vocab
-  151936, 14/2 heads, tied embeddings; 494M parameters, 1 GB). Weights are
-  random N(0, 0.02) values, written for real.
-* ``7b``: Qwen2-7B (hidden 3584, 28 layers, intermediate 18944, vocab 152064,
-  28/4 heads; 7.6B parameters, 15.2 GB in 4 shards + index). Written SPARSE:
-  each shard is its safetensors header and a hole (``truncate``), so it takes
-  no disk and reads as zeros (sha256 and the casts cost the same on zeros).
-  Shapes above ``--dense-max-gb`` are written sparse.
-
-Measured per shape:
-
-1. **Computed, streamed** (both shapes): exactly the bytes ``model_fingerprint``
-   feeds sha256 (its own ``_hash_config``, then for each parameter in name order
-   ``name:shape;`` and its values as float32, then its ``_hash_tokenizer``)
-   with the weights read from the files tensor by tensor (32 MiB
-   reads, bf16 -> float32 cast, ``tobytes`` like ``model_fingerprint``; pages
-   dropped with ``posix_fadvise`` after each tensor so 15 GB never sit in RAM).
-   A 7B model does not fit in this machine's memory, so this is how the 7B
-   figure is measured. At 0.5B the streamed value is checked to be equal to
-   ``model_fingerprint`` of the really loaded model (the script stops otherwise).
-   Its work is the GPU path's (bf16 weights cast to float32; the GPU adds the
-   device-to-host copy); a float32 CPU model skips the cast.
-2. **Cached lookup** (both shapes): what a start with a warm cache does in
-   ``load_backbone`` + ``Backbone.fingerprint``: ``weights_identity`` twice
-   (before and after ``from_pretrained``) + ``read_cached_fingerprint``; the
-   entry is written once beforehand with the streamed value. Median of
-   ``--lookup-repeats``.
-3. **Real start-up** (shapes whose weights fit ``--real-max-gb``, i.e. 0.5b):
-   ``load_backbone`` (``backbone.device=cpu``, ``backbone.dtype=auto`` = float32)
-   then ``.fingerprint``, timed apart: *before* = ``ELASTICMEM_FINGERPRINT_CACHE=off``
-   (the behaviour without the cache), *cold* = cache on but empty (hash + write
-   the entry; once), *after* = warm cache. ``--repeats`` interleaved rounds of
-   before/after, medians. The files are in the page cache (just written).
-
-The 7B per-rank figure is reported two ways: the streamed 7B measurement, and
-the real 0.5B ``model_fingerprint`` seconds per parameter x 7.6B parameters.
-
-The machine may be shared: the load average at start and end and each timed
-run's CPU share (process CPU s / wall s; 1.0 = had a core to itself with one
-thread) are printed. Run with ``OMP_NUM_THREADS=1`` (``--threads 1``, the
-default, sets torch's threads). The cache folder is ``$ELASTICMEM_HOME`` =
-a folder in the workdir for the run, not your home.
+Method and results: benchmarks/README.md, section ``startup_fingerprint.py``.
 """
 
 from __future__ import annotations
@@ -68,22 +22,20 @@ import gc
 import hashlib
 import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+from _bench import cpu_name, log, med, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
 import elasticmem.backbone as bbmod  # noqa: E402
+from elasticmem.backbone import fingerprint as fpmod, load as loadmod  # noqa: E402  (their private helpers)
 from elasticmem.config import BackboneConfig  # noqa: E402
 
 SHAPES = {
@@ -94,14 +46,6 @@ SHAPES = {
 }
 SHARD_BYTES = 4 << 30
 READ_BYTES = 32 << 20
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -137,7 +81,7 @@ def tokenizer_source():
     """SmolLM2's tokenizer (a real BPE) when cached, else the tiny one: (tokenizer, name)."""
     d = bbmod.models_home() / bbmod.ALIASES["smollm2"]["dirname"]
     if (d / "tokenizer.json").is_file():
-        return bbmod._tokenizer_class(str(d)).from_pretrained(str(d)), "smollm2 BPE"
+        return loadmod._tokenizer_class(str(d)).from_pretrained(str(d)), "smollm2 BPE"
     return bbmod.build_tiny_tokenizer(), "tiny word-piece"
 
 
@@ -219,7 +163,7 @@ def streamed_fingerprint(folder: Path) -> str:
     from transformers import AutoConfig
 
     h = hashlib.sha256()
-    bbmod._hash_config(h, AutoConfig.from_pretrained(folder))
+    fpmod._hash_config(h, AutoConfig.from_pretrained(folder))
     index = _safetensors_index(folder)
     buf = bytearray(READ_BYTES)
     for name in sorted(index):
@@ -237,10 +181,10 @@ def streamed_fingerprint(folder: Path) -> str:
                 h.update(chunk.to("cpu", torch.float32).numpy().tobytes())
                 left -= got
             os.posix_fadvise(f.fileno(), start, nbytes, os.POSIX_FADV_DONTNEED)
-    tokenizer = bbmod._tokenizer_class(str(folder)).from_pretrained(str(folder))
+    tokenizer = loadmod._tokenizer_class(str(folder)).from_pretrained(str(folder))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # as load_backbone does
-    bbmod._hash_tokenizer(h, tokenizer)
+    fpmod._hash_tokenizer(h, tokenizer)
     return "sha256:" + h.hexdigest()
 
 
@@ -428,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     log(f"startup fingerprint benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {os.cpu_count()} CPUs, "
-        f"{platform.processor() or platform.machine()}; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+        f"{cpu_name()}; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     workdir = Path(tempfile.mkdtemp(prefix="elasticmem-fp-bench-", dir=args.workdir))
     old_home = os.environ.get("ELASTICMEM_HOME")
     tokenizer, tok_name = tokenizer_source()  # before $ELASTICMEM_HOME moves
@@ -457,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                 "argv": sys.argv[1:], "load_avg_start": load0, "load_avg_end": load1, "tokenizer": tok_name}
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_json(args.out, {"meta": meta, "results": results}, __file__, argv)
         log(f"wrote {args.out}")
     return 0
 

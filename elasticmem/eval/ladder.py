@@ -178,15 +178,27 @@ def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("laten
                                                                           ("no_memory", "latent_learned"),
                                                                           ("latent_oracle", "latent_learned"))
          ) -> dict[str, Any]:
-    """Rung pairs (reference, system) over several seeds' ladders: per seed, pooled over every
-    (seed, question) pair, and the mean over seeds with its t interval, paired by seed."""
+    """Several seeds' ladders side by side.
+
+    ``comparisons``: each rung pair (reference, system) per seed, pooled over every (seed, question)
+    pair, and the mean over seeds with its t interval, paired by seed. ``rungs``: each rung's (and
+    each extra folder's, e.g. a trained control's) accuracy per seed and pooled, with Wilson
+    intervals. A pair or rung some seeds lack is compared over the seeds that have it (its
+    ``dirs`` say which), so a control still running on one seed does not hold up the others.
+    """
     from elasticmem.eval import stats
     from elasticmem.eval.report import load_correct
 
-    out: dict[str, Any] = {}
+    def has(d: str | Path, name: str) -> bool:
+        return (Path(d) / name / "predictions.jsonl").is_file()
+
+    comparisons: dict[str, Any] = {}
     for a, b in pairs:
+        seeds = [d for d in dirs if has(d, a) and has(d, b)]
+        if not seeds:
+            continue
         per_seed, pa, pb, acc_a, acc_b = [], [], [], [], []
-        for d in dirs:
+        for d in seeds:
             ca, cb = stats.pair_by_id(load_correct(Path(d) / a / "predictions.jsonl"),
                                       load_correct(Path(d) / b / "predictions.jsonl"))
             per_seed.append({"dir": str(d), **stats.paired_comparison(ca, cb).as_dict()})
@@ -194,25 +206,60 @@ def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("laten
             pb += cb
             acc_a.append(sum(ca) / len(ca))
             acc_b.append(sum(cb) / len(cb))
-        out[f"{b} - {a}"] = {"per_seed": per_seed, "pooled": stats.paired_comparison(pa, pb).as_dict(),
-                             "by_seed": stats.seed_paired(acc_a, acc_b)}
-    return out
+        comparisons[f"{b} - {a}"] = {"dirs": [str(d) for d in seeds], "per_seed": per_seed,
+                                     "pooled": stats.paired_comparison(pa, pb).as_dict(),
+                                     "by_seed": stats.seed_paired(acc_a, acc_b)}
+    names = [r.name for r in RUNGS]
+    names += sorted({p.name for d in dirs for p in Path(d).iterdir() if p.is_dir() and has(d, p.name)} - set(names))
+    rungs: dict[str, Any] = {}
+    for name in names:
+        seeds = [d for d in dirs if has(d, name)]
+        if not seeds:
+            continue
+        per_seed, k_all, n_all, tokens = [], 0, 0, 0.0
+        for d in seeds:
+            correct = list(load_correct(Path(d) / name / "predictions.jsonl").values())
+            acc, n, ci = stats.accuracy_with_interval(correct)
+            k, _ = stats.count_correct(correct)
+            res = json.loads((Path(d) / name / "results.json").read_text())
+            per_seed.append({"dir": str(d), "accuracy": acc, "n": n, "ci95": ci,
+                             "memory_tokens": res.get("avg_memory_tokens")})
+            k_all, n_all = k_all + k, n_all + n
+            tokens += n * (res.get("avg_memory_tokens") or 0.0)
+        rungs[name] = {"dirs": [str(d) for d in seeds], "per_seed": per_seed,
+                       "pooled": {"accuracy": k_all / n_all, "n": n_all,
+                                  "ci95": list(stats.wilson_interval(k_all, n_all)),
+                                  "memory_tokens": tokens / n_all}}
+    return {"comparisons": comparisons, "rungs": rungs}
 
 
 def pool_markdown(data: Mapping[str, Any], dirs: Sequence[str | Path]) -> str:
+    def seeds_of(d: Mapping[str, Any]) -> str:
+        if len(d["dirs"]) == len(dirs):
+            return ""
+        return " (" + ", ".join(Path(x).parent.name or x for x in d["dirs"]) + ")"
+
     lines = ["# Reading ladder over seeds", "", "Ladders: " + ", ".join(str(d) for d in dirs), "",
              "Pooled: every (seed, question) pair; the seeds share their questions, so the pooled test treats "
-             "pairs as independent that are not quite (the by-seed interval does not).", "",
-             "| comparison | per seed (points [95 %], p) | pooled (points [95 %], p, n) | mean over seeds [t interval] |",
-             "|---|---|---|---|"]
-    for name, d in data.items():
+             "pairs as independent that are not quite (the by-seed interval does not). A row some seeds lack "
+             "names the seeds it has.", "",
+             "| comparison | per seed (points [95 %], p) | pooled (points [95 %], p, n) "
+             "| mean over seeds [t interval] |", "|---|---|---|---|"]
+    for name, d in data["comparisons"].items():
         per = "; ".join(_diff(s) for s in d["per_seed"])
         pooled = d["pooled"]
         bs = d["by_seed"]
         ci = bs["difference_ci"]
         by = f"{100 * bs['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
         by += f", p = {bs['p_value']:.3g}" if bs["p_value"] is not None else ""
-        lines.append(f"| {name} | {per} | {_diff(pooled)}, n = {pooled['n']} | {by} |")
+        lines.append(f"| {name}{seeds_of(d)} | {per} | {_diff(pooled)}, n = {pooled['n']} | {by} |")
+    lines += ["", "| rung | per seed (accuracy [95 %]) | pooled (accuracy [95 %], n) | memory tokens |",
+              "|---|---|---|---|"]
+    for name, d in data["rungs"].items():
+        per = "; ".join(_acc(s) for s in d["per_seed"])
+        pooled = d["pooled"]
+        lines.append(f"| {name}{seeds_of(d)} | {per} | {_acc(pooled)}, n = {pooled['n']} | "
+                     f"{pooled['memory_tokens']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -153,7 +153,8 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert ladder.main(["pool", str(out), str(other), "--pairs", "latent_uniform:latent_learned",
                         "--out", str(tmp_path / "summary.md")]) == 0
-    got = json.loads((tmp_path / "summary.json").read_text())["latent_learned - latent_uniform"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    got = summary["comparisons"]["latent_learned - latent_uniform"]
     diffs, ca_all, cb_all = [], [], []
     for i, d in enumerate((out, other)):
         a = {r["id"]: bool(r["correct"]) for r in _records(d / "latent_uniform" / "predictions.jsonl")}
@@ -169,3 +170,81 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
     assert got["pooled"]["n"] == len(ca_all) and got["pooled"]["p_value"] == pytest.approx(pooled.p_value)
     assert got["by_seed"]["difference"] == pytest.approx(sum(diffs) / 2)
     assert "latent_learned - latent_uniform" in (tmp_path / "summary.md").read_text()
+    # each rung's accuracy per seed and pooled, recounted from the predictions
+    learned = summary["rungs"]["latent_learned"]
+    k = [sum(r["correct"] for r in _records(d / "latent_learned" / "predictions.jsonl")) for d in (out, other)]
+    n = [len(_records(d / "latent_learned" / "predictions.jsonl")) for d in (out, other)]
+    assert [s["accuracy"] for s in learned["per_seed"]] == pytest.approx([k[0] / n[0], k[1] / n[1]])
+    assert learned["pooled"]["n"] == sum(n) and learned["pooled"]["accuracy"] == pytest.approx(sum(k) / sum(n))
+    assert learned["pooled"]["ci95"] == pytest.approx(list(stats.wilson_interval(sum(k), sum(n))))
+    assert set(summary["rungs"]) >= {r.name for r in ladder.RUNGS}
+
+    # a rung one seed lacks (a control still running there) is compared over the seeds that have it
+    shutil.rmtree(other / "latent_oracle")
+    assert ladder.main(["pool", str(out), str(other), "--pairs", "latent_oracle:latent_learned",
+                        "--out", str(tmp_path / "partial.md")]) == 0
+    partial = json.loads((tmp_path / "partial.json").read_text())
+    got = partial["comparisons"]["latent_learned - latent_oracle"]
+    assert got["dirs"] == [str(out)] and got["pooled"]["n"] == n[0] and got["by_seed"]["difference_ci"] is None
+    assert partial["rungs"]["latent_oracle"]["dirs"] == [str(out)]
+    assert partial["rungs"]["latent_learned"]["pooled"]["n"] == sum(n)
+
+
+def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_path):
+    """``scripts/persona_results.py`` (docs/recipe.md's tables over seeds): each published cell
+    equals the figure recounted from the seeds' predictions, and a control one seed lacks reads
+    "not run" there and is pooled over the seeds that have it."""
+    import importlib.util
+    import shutil
+
+    from elasticmem.eval import stats
+
+    _, out = ladder_run
+    root = tmp_path / "OUT"
+    for s in ("0", "1"):
+        shutil.copytree(out, root / f"s{s}" / "ladder")
+    learned = root / "s1" / "ladder" / "latent_learned" / "predictions.jsonl"
+    recs = _records(learned)
+    for r in recs[:7]:
+        r["correct"] = not r["correct"]
+    learned.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    shutil.rmtree(root / "s1" / "ladder" / "latent_oracle")
+    shutil.copytree(root / "s0" / "ladder" / "no_memory", root / "s0" / "ladder" / "no_memory_trained")
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    res = tmp_path / "results"
+    assert script("persona_results").main([str(root), "--commit", "abc1234", "--results", str(res)]) == 0
+    render = script("gen_results_tables").render
+    rungs = {row.split(" | ")[0].strip("| *"): row.split(" | ")
+             for row in render(json.loads((res / "persona_rungs.json").read_text())).splitlines()[2:]}
+
+    def acc(k, n):
+        lo, hi = stats.wilson_interval(k, n)
+        return f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    k = [sum(r["correct"] for r in _records(root / f"s{s}" / "ladder" / "latent_learned" / "predictions.jsonl"))
+         for s in ("0", "1")]
+    n = len(recs)
+    row = rungs["top 8, latent, learned budgets (ElasticMem)"]
+    assert row[1:4] == [acc(k[0], n), acc(k[1], n), f"{acc(sum(k), 2 * n)}, n = {2 * n}"]
+    oracle = rungs["top 8, latent, oracle budgets"]
+    assert oracle[2] == "not run" and oracle[3].endswith(f"n = {n}")
+    control = rungs["no-memory reasoner, same recipe (control)"]
+    assert control[2] == "not run" and "text memory, same recipe (control)" not in rungs
+
+    comparisons = render(json.loads((res / "persona_comparisons.json").read_text()))
+    a = {r["id"]: bool(r["correct"]) for s in ("0",)
+         for r in _records(root / f"s{s}" / "ladder" / "latent_uniform" / "predictions.jsonl")}
+    b = {r["id"]: bool(r["correct"]) for r in _records(root / "s0" / "ladder" / "latent_learned" / "predictions.jsonl")}
+    pc = stats.paired_comparison(*stats.pair_by_id(a, b))
+    lo, hi = pc.difference_ci
+    assert f"{100 * pc.difference:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}], p = {pc.p_value:.2g}" in comparisons
+    dial = render(json.loads((res / "persona_cost_dial.json").read_text()))
+    assert [line.split(" | ")[0].strip("| ") for line in dial.splitlines()[2:]] == [str(c) for c in CAPS]
+    spec = json.loads((res / "persona_losses.json").read_text())
+    assert spec["commit"] == "abc1234" and "persona_results.py" in spec["command"]

@@ -35,7 +35,7 @@ from _bench import write_json  # noqa: E402
 def build_once(examples, backbone, options: dict[str, bool], batch_size: int) -> tuple[float, int, list]:
     from elasticmem.baselines.amem.config import AMemConfig
     from elasticmem.baselines.amem.embed import load_embedder
-    from elasticmem.baselines.amem.llm import StructuredLLM, TransformersBackend
+    from elasticmem.llm.client import StructuredLLM, TransformersBackend
     from elasticmem.baselines.amem.system import AMemSystem
 
     cfg = AMemConfig()

@@ -336,7 +336,7 @@ def stage_amem_local(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from elasticmem.backbone import load_backbone
     from elasticmem.baselines.amem import prompts
     from elasticmem.baselines.amem.config import AMemConfig
-    from elasticmem.baselines.amem.llm import GenRequest, StructuredLLM, TransformersBackend
+    from elasticmem.llm.client import GenRequest, StructuredLLM, TransformersBackend
 
     cfg, _ = _task_config(args, work)
     # any text tokenizes (the tiny preset's word-only vocabulary cannot spell the notes' JSON)

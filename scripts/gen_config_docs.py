@@ -32,6 +32,9 @@ Override any key on the command line with its dotted name, e.g.
 Values are parsed as YAML (`bank.splits=[train,val]`, `backbone.revision=null`) and checked against
 the key's type; an unknown key is an error naming the closest valid one. Every entry point prints
 the resolved config and saves it next to its output (`config.yaml`); `--help` lists the same keys.
+A command's own options, which are not config keys, are dotted keys of its own section, each with
+its flag as an alias (`--append` is `build.append=true`, `--out F` of the retrieval map `map.out=F`);
+that command's `--help` lists them.
 
 This page is generated from the dataclasses' field docstrings, so it lists every key there is.
 """
@@ -57,7 +60,7 @@ def _code(value: str) -> str:
 
 
 def _section(cls: type, prefix: str, depth: int, doc: str) -> list[str]:
-    from elasticmem.utils.configuration import _type_name, field_docs
+    from elasticmem.utils.configuration import type_name, field_docs
 
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
@@ -74,7 +77,7 @@ def _section(cls: type, prefix: str, depth: int, doc: str) -> list[str]:
             subsections.append((tp, prefix + f.name + ".", docs.get(f.name, "")))
             continue
         key = prefix + f.name
-        lines.append(f"- **`{key}`** ({_code(_type_name(tp))}, default {_code(repr(getattr(default, f.name)))}): "
+        lines.append(f"- **`{key}`** ({_code(type_name(tp))}, default {_code(repr(getattr(default, f.name)))}): "
                      + _inline(docs.get(f.name, "")))
     for tp, sub, sub_doc in subsections:
         lines += _section(tp, sub, min(depth + 1, 4), sub_doc)

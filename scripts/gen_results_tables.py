@@ -15,8 +15,10 @@ A results file holds ``command`` and ``commit`` (what made the numbers), ``prove
 the values come from), ``data`` (the values: a trimmed copy of the run's own output, or the
 published values where the raw output was not kept) and ``table``: ``header`` (cells) and ``rows``
 (cells). Every cell is a ``str.format`` template over ``data`` (``{systems[elasticmem][accuracy]:.3f}``),
-with two extra format prefixes: ``pct`` multiplies by 100 and ``npct`` by -100 (a fraction as points,
-or the difference the other way round), e.g. ``{paired[x][difference]:npct+.1f}``.
+with extra format prefixes: ``pct`` multiplies by 100 and ``npct`` by -100 (a fraction as points,
+or the difference the other way round), e.g. ``{paired[x][difference]:npct+.1f}``, and ``ms`` by
+1000 (seconds as milliseconds); and the format ``met`` writes a boolean acceptance as ``met`` or
+``**missed**`` (``{acceptance[append_ratio][met]:met}``), so that a verdict follows its numbers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def published_files() -> list[Path]:
 
 class _Formatter(string.Formatter):
     def format_field(self, value, format_spec):
-        for prefix, scale in (("npct", -100.0), ("pct", 100.0)):
+        if format_spec == "met":
+            if not isinstance(value, bool):
+                raise ValueError(f"the format 'met' takes a boolean, got {value!r}")
+            return "met" if value else "**missed**"
+        for prefix, scale in (("npct", -100.0), ("pct", 100.0), ("ms", 1000.0)):
             if format_spec.startswith(prefix):
                 return format(value * scale, format_spec[len(prefix):])
         return format(value, format_spec)

@@ -37,8 +37,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from elasticmem.agent.trajectories import read_records
-from elasticmem.baselines.amem.llm import GenRequest, LLMBackend
-from elasticmem.baselines.amem.structured import Arr, Obj, Str, check, parse_json_object
+from elasticmem.llm.client import GenRequest, LLMBackend
+from elasticmem.llm.structured import Arr, Obj, Str, check, parse_json_object
 
 SYSTEM = (
     "You write skill cards for a household robot. A skill card is a short, general procedure "
@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     for f in CardSettings.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     a = p.parse_args(argv)
-    from elasticmem.baselines.amem.config import AMemLLMConfig
-    from elasticmem.baselines.amem.llm import OpenAIBackend, TransformersBackend
+    from elasticmem.config import AMemLLMConfig
+    from elasticmem.llm.client import OpenAIBackend, TransformersBackend
 
     records = read_records(a.trajectories)
     if a.ids:

@@ -6,6 +6,7 @@
     elasticmem-build-bank --config ... bank.part=K/N   # part K of N (a job-array task), then once
     elasticmem-build-bank --config ...                 # without bank.part: the merge (the manifest)
     elasticmem-build-bank --config ... data.dir=NEW --append   # add new groups / sessions to a built bank
+    elasticmem-build-bank --config ... data.dir=NEW build.append=true   # the same (every flag is a key too)
 
 An interrupted build resumes where it stopped when run again with the same
 settings. The bank folder layout is documented in DESIGN.md section 3.1.
@@ -24,20 +25,30 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 
-from elasticmem.utils.configuration import ConfigError, command_name, parse_cli, print_config, save
+from elasticmem.utils.configuration import ConfigError, print_config, save
+from elasticmem.utils.options import Options, command_name, parse_cli
+
+
+@dataclass
+class BuildOptions:
+    """The command's own options (not config keys): ``build.KEY=VALUE`` or the flag."""
+
+    append: bool = False
+    """Add the data's new chunks to the bank at bank.dir instead of building it."""
+
+
+OPTIONS = Options("build", BuildOptions)
 
 
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.config import Config
 
-    def extra(p):
-        p.add_argument("--append", action="store_true",
-                       help="add the data's new chunks to the bank at bank.dir instead of building it")
-
     prog = command_name("build_bank.py")
-    cfg, args = parse_cli(Config, argv, prog=prog, description=__doc__, extra=extra)
-    if args.append:
+    cfg, args = parse_cli(Config, argv, prog=prog, description=__doc__, options=OPTIONS)
+    opts: BuildOptions = args.options
+    if opts.append:
         return _append(cfg, prog)
 
     import torch

@@ -17,7 +17,7 @@ calls at once (``parallel_tool_calls``); functions whose parameters fall outside
 subset below are not offered.
 
 ``response_format``: ``json_schema`` constrains decoding to the schema, token by token, with
-A-Mem's matcher (``elasticmem.baselines.amem.structured``: objects with every key, strings,
+A-Mem's matcher (``elasticmem.llm.structured``: objects with every key, strings,
 string enums, booleans, arrays), so the answer parses by construction; a schema outside that
 subset is refused with HTTP 400 naming ``response_format`` (clients then fall back to another
 mode); an answer the token budget cut off inside the JSON is counted (``json_schema_unfinished``).
@@ -38,8 +38,8 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from elasticmem.baselines.amem.llm import GenRequest, TransformersBackend
-from elasticmem.baselines.amem.structured import Arr, Enum, Obj, from_json_schema
+from elasticmem.llm.client import GenRequest, TransformersBackend
+from elasticmem.llm.structured import Arr, Enum, Obj, from_json_schema
 
 DEFAULT_MAX_TOKENS = 256
 

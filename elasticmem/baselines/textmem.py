@@ -43,7 +43,7 @@ from typing import Any
 
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
-from elasticmem.baselines.amem.llm import GenRequest, OpenAIBackend, StructuredLLM
+from elasticmem.llm.client import GenRequest, OpenAIBackend, StructuredLLM
 from elasticmem.config import MemoryConfig, TextMemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.eval.system import Prediction, Retrieved
@@ -96,7 +96,7 @@ class _Endpoint:
 
     def usage(self) -> dict[str, float]:
         """The endpoint's counters (``GET /v1/usage``)."""
-        from elasticmem.baselines.amem.llm import _httpx
+        from elasticmem.llm.client import _httpx
 
         return dict(_httpx().get(self.url + "/usage", timeout=30).json())
 

@@ -2,6 +2,7 @@
 
     elasticmem-prepare synthetic --config configs/quickstart.yaml [key=value ...]
     elasticmem-prepare DATASET --input PATH [PATH ...] --out DIR [--seed N] [--skip-invalid] [--splits DIR]
+    elasticmem-prepare DATASET prepare.input=[PATH] prepare.out=DIR [prepare.seed=N ...]   # the same, dotted
 
 (``elasticmem-prepare`` is the console script; ``python -m elasticmem.data.prepare`` is the same.)
 
@@ -29,13 +30,34 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from elasticmem.utils.configuration import command_name, parse_cli
+from elasticmem.utils.options import Flag, Options, command_name, parse_cli, parse_options
 
 SYNTHETIC = "synthetic"
 REAL = ("locomo-qa", "locomo-mc10", "locomo-mc10-jsonl", "longmemeval", "longmemeval-mc10-jsonl", "personamem")
 DATASETS = (SYNTHETIC, *REAL)
+
+
+@dataclass
+class PrepareOptions:
+    """A real benchmark's options: ``prepare.KEY=VALUE`` or the flag."""
+
+    input: list[str]
+    """Source file(s); personamem takes the questions CSV and the contexts JSONL."""
+    out: str
+    """Output folder (the config's data.dir)."""
+    seed: int = 42
+    """Split seed (LongMemEval, PersonaMem) and distractor seed (locomo-mc10)."""
+    skip_invalid: bool = False
+    """Log and count invalid records in stats.json instead of stopping at the first."""
+    splits: str | None = None
+    """Reuse the frozen split lists DIR/{train,val,test}_ids.txt instead of drawing the split."""
+
+
+OPTIONS = Options("prepare", PrepareOptions, flags={"input": Flag(metavar="PATH"), "out": Flag(metavar="DIR"),
+                                                    "splits": Flag(metavar="DIR")})
 
 
 def _prog() -> str:
@@ -74,24 +96,15 @@ def _real_main(name: str, rest: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog=f"{_prog()} {name}",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="source file(s); personamem takes the questions CSV and the contexts JSONL")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (the config's data.dir)")
-    p.add_argument("--seed", type=int, default=42,
-                   help="split seed (LongMemEval, PersonaMem) and distractor seed (locomo-mc10); default 42")
-    p.add_argument("--skip-invalid", action="store_true",
-                   help="log and count invalid records in stats.json instead of stopping at the first")
-    p.add_argument("--splits", metavar="DIR", default=None,
-                   help="reuse frozen split lists DIR/{train,val,test}_ids.txt instead of drawing the split")
-    args = p.parse_args(rest)
+    opts, _ = parse_options(p, OPTIONS, rest)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
-        stats = prepare_real(name, args.input, args.out, args.seed, args.skip_invalid, args.splits)
+        stats = prepare_real(name, opts.input, opts.out, opts.seed, opts.skip_invalid, opts.splits)
     except (SchemaError, FileNotFoundError, ValueError, OSError) as e:
         print(f"prepare {name}: error: {e}", file=sys.stderr)
         return 2
-    print(f"prepared {name} in {args.out} (split by {stats['split']['unit']}):")
+    print(f"prepared {name} in {opts.out} (split by {stats['split']['unit']}):")
     for split in ("train", "val", "test"):
         _print_split(split, stats["splits"][split])
     skipped = stats["skipped"]

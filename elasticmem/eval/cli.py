@@ -11,7 +11,8 @@
     python evaluate.py --help                                  # every config key, documented
     elasticmem-eval --config configs/quickstart.yaml checkpoint=...   # the console script: the same command
 
-``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.
+``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.;
+``--limit N`` is ``eval.limit=N`` too.
 The output folder (eval.output_dir, one subfolder per variant) gets results.json,
 predictions.jsonl, report.md, case_study.md and, for ElasticMem, the budget plots;
 with variants also comparison.md and accuracy_vs_tokens.png, and seeds.md (mean and
@@ -31,7 +32,8 @@ import json
 import sys
 from pathlib import Path
 
-from elasticmem.utils.configuration import ConfigError, command_name, parse_cli, print_config
+from elasticmem.utils.configuration import ConfigError, print_config
+from elasticmem.utils.options import command_name, parse_cli
 
 ALIASES = ("checkpoint", "split", "system", "limit")
 
@@ -45,15 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = _expand(list(sys.argv[1:] if argv is None else argv))
 
-    def extra(p):
-        p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-
     prog = command_name("evaluate.py")
-    cfg, args = parse_cli(Config, argv, prog=prog, description=__doc__, extra=extra)
+    # --limit N is the config key eval.limit (an override, so the variants get it too)
+    cfg, args = parse_cli(Config, argv, prog=prog, description=__doc__, flags={"eval.limit": "--limit"})
     overrides = list(args.overrides)
-    if args.limit is not None:
-        overrides.append(f"eval.limit={args.limit}")
-        cfg.eval.limit = args.limit
     from accelerate.utils import set_seed
 
     from elasticmem.bank import BankError

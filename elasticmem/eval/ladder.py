@@ -29,6 +29,9 @@ same cap (the cap shared out evenly), at each cap.
         eval.output_dir=RUN/ladder [--text-checkpoint TEXT_RUN/final] [--caps 8,16,32,64] [key=value ...]
     python -m elasticmem.eval.ladder pool RUN_0/ladder RUN_1/ladder RUN_2/ladder    # seeds pooled
 
+Each flag of the ladder is also a ``ladder.KEY=VALUE`` argument (``ladder.caps=8,16,32,64``), each
+of ``pool`` a ``pool.KEY=VALUE`` one (``pool.out=FILE``); ``--help`` lists them.
+
 Writes ``ladder.md`` and ``ladder.json`` in ``eval.output_dir``. ``pool`` compares rungs over
 several seeds' ladders: per seed and pooled over all (seed, question) pairs, and the mean over
 seeds with its t interval, paired by seed.
@@ -38,9 +41,11 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from elasticmem.utils.options import Flag, Options
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,37 @@ RUNGS: tuple[Rung, ...] = (
 LOSSES = (("reading", "text_evidence", "latent_evidence"), ("distraction", "latent_evidence", "latent_uniform"),
           ("retrieval", "latent_evidence", "latent_oracle"), ("allocation", "latent_oracle", "latent_learned"))
 """(what is lost, the rung with it, the rung without it): accuracy(with) - accuracy(without)."""
+
+
+@dataclass
+class LadderOptions:
+    """The ladder's own options (not config keys): ``ladder.KEY=VALUE`` or the flag; the other
+    arguments (``--config``, ``key=value``) go to evaluate.py."""
+
+    text_checkpoint: str | None = None
+    """The checkpoint the text rungs read with (null = eval.checkpoint)."""
+    caps: list[int] = field(default_factory=list)
+    """Token caps of the cost dial (e.g. 8,16,32,64); none = no dial."""
+    rungs: list[str] = field(default_factory=list)
+    """Only these rungs (and cost-dial variants); none = all."""
+
+
+@dataclass
+class PoolOptions:
+    """``pool``'s options: ``pool.KEY=VALUE`` or the flag (the folders: also the positional arguments)."""
+
+    dirs: list[str]
+    """Ladder output folders (eval.output_dir of each seed's ladder)."""
+    pairs: list[str] = field(default_factory=lambda: ["latent_uniform:latent_learned", "no_memory:latent_learned",
+                                                      "latent_oracle:latent_learned"])
+    """REFERENCE:SYSTEM folder names of each ladder to compare."""
+    out: str | None = None
+    """Write the table here (and .json next to it); null = print it only."""
+
+
+OPTIONS = Options("ladder", LadderOptions, flags={"caps": Flag(sep=","), "rungs": Flag(sep=",")})
+POOL_OPTIONS = Options("pool", PoolOptions, flags={"dirs": Flag(positional=True, metavar="DIR"),
+                                                   "pairs": Flag(sep=",")})
 
 
 def variants(caps: Sequence[int] = (), text_checkpoint: str | None = None) -> dict[str, list[str]]:
@@ -263,51 +299,53 @@ def pool_markdown(data: Mapping[str, Any], dirs: Sequence[str | Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pool_main(argv: list[str]) -> int:
+    """``pool DIR ... [--pairs A:B,...] [--out FILE]``: the seeds' ladders compared."""
+    import argparse
+
+    from elasticmem.utils.options import parse_options
+
+    ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder pool",
+                                 description="Compare ladder rungs over several seeds' ladders.")
+    opts, _ = parse_options(ap, POOL_OPTIONS, argv, metavar="DIR | pool.KEY=VALUE",
+                            help="the ladders' folders, and pool.KEY=VALUE options")
+    pairs = [tuple(p.split(":", 1)) for p in opts.pairs]
+    if any(len(p) != 2 for p in pairs):
+        ap.error(f"--pairs (pool.pairs) takes REFERENCE:SYSTEM items, got {opts.pairs!r}")
+    data = pool(opts.dirs, pairs)
+    md = pool_markdown(data, opts.dirs)
+    for d in opts.dirs:  # each seed's own ladder after the comparison over seeds
+        if (Path(d) / "ladder.md").is_file():
+            md += "\n" + (Path(d) / "ladder.md").read_text().replace("# Reading ladder", "## Reading ladder", 1)
+    print(md)
+    if opts.out:
+        Path(opts.out).write_text(md)
+        Path(opts.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "pool":
-        import argparse
-
-        ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder pool",
-                                     description="Compare ladder rungs over several seeds' ladders.")
-        ap.add_argument("dirs", nargs="+", help="ladder output folders (eval.output_dir of each seed's ladder)")
-        ap.add_argument("--pairs", default="latent_uniform:latent_learned,no_memory:latent_learned,"
-                                           "latent_oracle:latent_learned",
-                        help="REFERENCE:SYSTEM folder names of each ladder, comma-separated (default: %(default)s)")
-        ap.add_argument("--out", help="write the table here (and .json next to it)")
-        args = ap.parse_args(argv[1:])
-        pairs = [tuple(p.split(":", 1)) for p in args.pairs.split(",") if p.strip()]
-        if any(len(p) != 2 for p in pairs):
-            ap.error(f"--pairs takes REFERENCE:SYSTEM items, got {args.pairs!r}")
-        data = pool(args.dirs, pairs)
-        md = pool_markdown(data, args.dirs)
-        for d in args.dirs:  # each seed's own ladder after the comparison over seeds
-            if (Path(d) / "ladder.md").is_file():
-                md += "\n" + (Path(d) / "ladder.md").read_text().replace("# Reading ladder", "## Reading ladder", 1)
-        print(md)
-        if args.out:
-            Path(args.out).write_text(md)
-            Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
-        return 0
+        return _pool_main(argv[1:])
     import argparse
 
     from elasticmem.config import load_config
     from elasticmem.eval import cli
+    from elasticmem.utils.options import add_options, resolve_options, split_options
 
     ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder", description=__doc__.split("\n\n")[0],
-                                 epilog="Other arguments (--config, key=value overrides) go to evaluate.py.")
-    ap.add_argument("--text-checkpoint", help="the checkpoint the text rungs read with (default: eval.checkpoint)")
-    ap.add_argument("--caps", default="", help="token caps of the cost dial, comma-separated (e.g. 8,16,32,64)")
-    ap.add_argument("--rungs", default="", help="only these rungs, comma-separated (default: all)")
-    args, rest = ap.parse_known_args(argv)
-    caps = [int(c) for c in args.caps.split(",") if c.strip()]
-    var = variants(caps, args.text_checkpoint)
-    if args.rungs:
-        keep = {r.strip() for r in args.rungs.split(",") if r.strip()}
-        unknown = keep - set(var)
+                                 epilog="Other arguments (--config, --limit, key=value overrides) go to evaluate.py.")
+    add_options(ap, OPTIONS)
+    known, rest = ap.parse_known_args(argv)
+    dotted, rest = split_options(rest, OPTIONS)  # the rest is evaluate.py's
+    opts = resolve_options(ap, OPTIONS, known, dotted)
+    var = variants(opts.caps, opts.text_checkpoint)
+    if opts.rungs:
+        unknown = set(opts.rungs) - set(var)
         if unknown:
             ap.error(f"unknown rungs {sorted(unknown)}; the ladder's are {list(var)}")
-        var = {k: v for k, v in var.items() if k in keep}
+        var = {k: v for k, v in var.items() if k in opts.rungs}
     code = cli.main([*rest, "eval.variants=" + json.dumps(var)])
     if code != 0:
         return code

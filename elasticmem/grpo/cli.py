@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import sys
 
-from elasticmem.utils.configuration import ConfigError, command_name, parse_cli, print_config
+from elasticmem.utils.configuration import ConfigError, print_config
+from elasticmem.utils.options import command_name, parse_cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,13 @@ mechanism here is ~200 lines over ``dataclasses`` + ``yaml``.
 Conventions: every config field carries an attribute docstring (a string
 literal right below it). ``field_docs`` reads them from the source so that
 ``--help`` documents every key; a test checks that none is missing.
+
+The command line built on it (``parse_cli``, a command's own options) is
+``elasticmem.utils.options``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import difflib
@@ -57,7 +59,7 @@ def _unknown(key: str, root: type) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint} (see --help for all keys)")
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if isinstance(tp, type):
@@ -95,7 +97,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be {type_name(tp)}, got {value!r}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
@@ -110,7 +112,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' is a section; give it a mapping, got {value!r}")
-        return _build(tp, value, key + ".")
+        return build_dataclass(tp, value, key + ".")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
@@ -135,7 +137,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 _ROOT: list[type] = []
 
 
-def _build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
@@ -152,7 +154,7 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     """Build ``cls`` from a nested dict; missing keys keep their defaults."""
     _ROOT.append(cls)
     try:
-        return _build(cls, data)
+        return build_dataclass(cls, data)
     finally:
         _ROOT.pop()
 
@@ -161,7 +163,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     # YAML typing makes `n=3`, `lr=2e-5`, `flag=true`, `xs=[1,2]`, `x=null` do the right thing.
     try:
         return yaml.safe_load(text) if text != "" else ""
@@ -234,12 +236,12 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | tu
                 if part not in hints:
                     raise _unknown(key, cls)
                 if i == len(parts) - 1:
-                    node[part] = _parse_value(text)
+                    node[part] = parse_value(text)
                 else:
                     if not dataclasses.is_dataclass(hints[part]):
                         raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is not a section")
                     node, node_cls = node[part], hints[part]
-        return _build(cls, data)
+        return build_dataclass(cls, data)
     finally:
         _ROOT.pop()
 
@@ -257,7 +259,16 @@ def save(cfg: Any, path: str | Path) -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass, read from its source."""
+    """Attribute docstrings of a dataclass, read from its source (a subclass's fields and its
+    dataclass bases' fields alike)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
@@ -284,7 +295,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         if dataclasses.is_dataclass(tp):
             out.extend(describe(tp, prefix + f.name + "."))
         else:
-            out.append((prefix + f.name, _type_name(tp), getattr(default, f.name), docs.get(f.name, "")))
+            out.append((prefix + f.name, type_name(tp), getattr(default, f.name), docs.get(f.name, "")))
     return out
 
 
@@ -295,40 +306,6 @@ def format_help(cls: type) -> str:
         if doc:
             lines.extend("      " + line for line in textwrap.wrap(doc, 90))
     return "\n".join(lines)
-
-
-def command_name(default: str) -> str:
-    """The name this process was started as when that is a console script (``elasticmem-train``),
-    else ``default`` (``train.py``, ``python -m elasticmem.serve``): usage and error lines then name
-    the command the user typed. Called in-process (tests, ``main(argv)``) it is ``default``."""
-    name = Path(sys.argv[0]).name.removesuffix(".exe") if sys.argv and sys.argv[0] else ""  # .exe: Windows
-    return name if name.startswith("elasticmem-") else default
-
-
-def parse_cli(
-    cls: type[T],
-    argv: list[str] | None = None,
-    prog: str | None = None,
-    description: str | None = None,
-    extra: typing.Callable[[argparse.ArgumentParser], None] | None = None,
-) -> tuple[T, argparse.Namespace]:
-    """``--config PATH [key=value ...]``; ``--help`` lists every key with its docstring."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=description,
-        epilog="config keys (override any with key=value):\n" + format_help(cls),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", help="YAML preset (see configs/)")
-    if extra is not None:
-        extra(parser)
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    args = parser.parse_intermixed_args(argv)  # options may come between the key=value overrides
-    try:
-        cfg = load(cls, args.config, args.overrides)
-    except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return cfg, args
 
 
 def print_config(cfg: Any, file=sys.stdout) -> None:

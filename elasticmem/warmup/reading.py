@@ -503,7 +503,8 @@ def _recall_before(model, traj, batch: Sequence[Example], evidence: dict[str, se
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.bank import BankError
     from elasticmem.data.schema import SchemaError
-    from elasticmem.utils.configuration import command_name, parse_cli, print_config
+    from elasticmem.utils.configuration import print_config
+    from elasticmem.utils.options import command_name, parse_cli
 
     cfg, _ = parse_cli(Config, argv, prog=command_name("python -m elasticmem.warmup.reading"), description=__doc__)
     print_config(cfg, file=sys.stderr)

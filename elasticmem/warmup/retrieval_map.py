@@ -32,7 +32,7 @@ and the model refuses it for anything else.
         'bank.splits=[train]' bank.key=layer_mean
     python -m elasticmem.warmup.retrieval_map --config configs/locomo_mc10.yaml \\
         bank.dir=runs/bank/locomo_train bank.key=layer_mean memory.retrieval=layer_mean \\
-        --kind linear --out runs/maps/locomo_layer_mean_linear.safetensors
+        --kind linear --out runs/maps/locomo_layer_mean_linear.safetensors   # or map.kind=linear map.out=...
     python evaluate.py --config configs/locomo_mc10.yaml memory.retrieval=layer_mean \\
         memory.retrieval_map=runs/maps/locomo_layer_mean_linear.safetensors ...
 
@@ -43,39 +43,67 @@ File: safetensors, tensors of ``RetrievalMap.state_dict()`` (float32), metadata
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
 from elasticmem.bank.store import Bank
 from elasticmem.model.retrieval_map import KINDS, RetrievalMap
+from elasticmem.utils.options import Flag, Options
 
 # --------------------------------------------------------------------------- training
 
 
 @dataclass
 class MapTrainConfig:
-    kind: str = "linear"
+    kind: Literal[KINDS] = "linear"
+    """'standardize' (no training), 'linear' or 'mlp' (the module's docstring says what each is)."""
     d_out: int = 256
+    """Output size of maps without ``residual`` (a residual map's output size is its input's)."""
     hidden: int = 1024
+    """Hidden size of the mlp."""
     dropout: float = 0.1
+    """Dropout of the mlp's hidden layer."""
     epochs: int = 10
+    """Passes over the training questions; 0 = the standardisation alone."""
     lr: float = 3e-4
+    """AdamW learning rate."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     temperature: float = 0.05
+    """InfoNCE temperature of the cosines."""
     batch_size: int = 64
-    negatives: str = "group"
+    """Questions per optimizer step."""
+    negatives: Literal["group", "all"] = "group"
     """'group': the other chunks of the question's conversation; 'all': every training chunk."""
     seed: int = 0
+    """Seed of the initialisation and of the order of the questions."""
     residual: bool = True
     """x + net(x) with net's last layer zero at the start (d_out = d_in): the map starts as the
     standardisation and learns a correction (without it, 883 LoCoMo pairs overfit a map from
     scratch: it ends below the standardisation alone)."""
+
+
+@dataclass
+class MapOptions(MapTrainConfig):
+    """The command's options (not config keys): ``map.KEY=VALUE`` or the flag. The training
+    settings are ``MapTrainConfig``'s, but for the seed: the config's ``seed``."""
+
+    out: str = field(kw_only=True)
+    """The map file to write (.safetensors)."""
+    splits: list[str] = field(default_factory=lambda: ["train"])
+    """Splits of data.dir whose questions train the map (the flag: once per split)."""
+    query_batch: int = 16
+    """Questions per forward pass when the query states are computed."""
+
+
+OPTIONS = Options("map", MapOptions, flags={"d_out": "--dim", "splits": Flag("--split", repeat=True, metavar="SPLIT"),
+                                        "seed": None})
 
 
 def info_nce(q: torch.Tensor, k: torch.Tensor, positives: Sequence[Sequence[int]],
@@ -186,31 +214,12 @@ def recall_any(rmap: RetrievalMap | None, queries: torch.Tensor, positives, rang
 
 def main(argv: list[str] | None = None) -> int:
     from elasticmem.config import Config
-    from elasticmem.utils.configuration import parse_cli, print_config
-
-    defaults = MapTrainConfig()
-
-    def extra(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--out", required=True, help="the map file to write (.safetensors)")
-        p.add_argument("--split", dest="splits", action="append",
-                       help="a split of data.dir whose questions train the map (repeatable; default: train only)")
-        p.add_argument("--kind", choices=KINDS, default=defaults.kind)
-        p.add_argument("--residual", action=argparse.BooleanOptionalAction, default=defaults.residual,
-                       help="x + net(x), starting at the standardisation (output size = input size)")
-        p.add_argument("--dim", type=int, default=defaults.d_out, help="output size of --no-residual maps")
-        p.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size of the mlp")
-        p.add_argument("--dropout", type=float, default=defaults.dropout)
-        p.add_argument("--epochs", type=int, default=defaults.epochs)
-        p.add_argument("--lr", type=float, default=defaults.lr)
-        p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-        p.add_argument("--temperature", type=float, default=defaults.temperature)
-        p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-        p.add_argument("--negatives", choices=("group", "all"), default=defaults.negatives)
-        p.add_argument("--query-batch", type=int, default=16, help="questions per forward pass")
+    from elasticmem.utils.configuration import print_config
+    from elasticmem.utils.options import parse_cli
 
     cfg, args = parse_cli(Config, argv, prog="python -m elasticmem.warmup.retrieval_map",
-                          description=__doc__, extra=extra)
-    import dataclasses
+                          description=__doc__, options=OPTIONS)
+    opts: MapOptions = args.options
 
     from elasticmem.backbone import load_backbone
     from elasticmem.data.schema import load_split
@@ -220,17 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retrieval_map: error: memory.retrieval={cfg.memory.retrieval} does not retrieve by the model's "
               f"states; nothing to map", file=sys.stderr)
         return 2
-    args.splits = args.splits or ["train"]
     print_config(cfg, file=sys.stderr)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     backbone = load_backbone(cfg.backbone)
     bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
-    examples = [ex for s in args.splits for ex in load_split(cfg.data.dir, s)]
+    examples = [ex for s in opts.splits for ex in load_split(cfg.data.dir, s)]
     missing = sorted({ex.group for ex in examples} - set(bank.groups))
     if missing:
-        print(f"retrieval_map: error: bank {cfg.bank.dir} lacks {len(missing)} group(s) of {'+'.join(args.splits)} "
-              f"(e.g. {missing[0]!r}); build it with build_bank.py ... 'bank.splits=[{','.join(args.splits)}]'",
+        print(f"retrieval_map: error: bank {cfg.bank.dir} lacks {len(missing)} group(s) of {'+'.join(opts.splits)} "
+              f"(e.g. {missing[0]!r}); build it with build_bank.py ... 'bank.splits=[{','.join(opts.splits)}]'",
               file=sys.stderr)
         return 2
     kept, positives, ranges, n_without = training_pairs(examples, bank)
@@ -240,24 +248,24 @@ def main(argv: list[str] | None = None) -> int:
     mem = dataclasses.replace(cfg.memory, retrieval_map=None)
     model = ElasticMem(backbone, mem, bank).eval()
     t1 = time.perf_counter()
-    queries = query_states(model, kept, args.query_batch)
+    queries = query_states(model, kept, opts.query_batch)
     keys = bank.keys().float().clone()
     t2 = time.perf_counter()
     print(f"{len(kept)} training questions with evidence ({n_without} without), {bank.num_chunks} chunks in "
           f"{len(bank.groups)} conversations; query states in {t2 - t1:.1f} s", file=sys.stderr)
-    tcfg = MapTrainConfig(args.kind, args.dim, args.hidden, args.dropout, args.epochs, args.lr, args.weight_decay,
-                          args.temperature, args.batch_size, args.negatives, cfg.seed, args.residual)
+    settings = {f.name: getattr(opts, f.name) for f in dataclasses.fields(MapTrainConfig)}
+    tcfg = MapTrainConfig(**{**settings, "seed": cfg.seed})
     rmap = train_map(queries, positives, ranges, keys, tcfg, log=lambda s: print(s, file=sys.stderr))
     before = recall_any(None, queries, positives, ranges, keys)
     after = recall_any(rmap, queries, positives, ranges, keys)
-    train_info = {"data_dir": cfg.data.dir, "splits": args.splits, "bank_dir": cfg.bank.dir,
+    train_info = {"data_dir": cfg.data.dir, "splits": opts.splits, "bank_dir": cfg.bank.dir,
                   "groups": sorted(bank.groups), "pairs": len(kept), "without_evidence": n_without,
                   "settings": asdict(tcfg), "train_recall_any_before": before, "train_recall_any_after": after,
                   "seconds": time.perf_counter() - t0}
     encoder = {"name_or_path": backbone.name_or_path, "fingerprint": backbone.fingerprint}
-    out = rmap.save(args.out, cfg.memory.retrieval, bank.key, encoder, train_info)
+    out = rmap.save(opts.out, cfg.memory.retrieval, bank.key, encoder, train_info)
     fmt = lambda r: " ".join(f"R@{k} {v:.3f}" for k, v in r.items())  # noqa: E731
-    print(f"retrieval map ({args.kind}, {cfg.memory.retrieval} queries, keys {bank.key}) -> {out}\n"
+    print(f"retrieval map ({opts.kind}, {cfg.memory.retrieval} queries, keys {bank.key}) -> {out}\n"
           f"  training questions: {fmt(before)} without the map, {fmt(after)} with it\n"
           f"  {time.perf_counter() - t0:.1f} s")
     return 0

@@ -22,7 +22,7 @@ import pytest
 from conftest import SHARED_DATA, requires_smollm2
 from test_train import tiny_setup  # noqa: F401  (fixture)
 
-from elasticmem.baselines.amem.llm import Completion
+from elasticmem.llm.client import Completion
 from elasticmem.config import MemoryConfig, TextMemoryConfig
 from elasticmem.data.schema import Example, Turn
 
@@ -156,7 +156,7 @@ def test_the_shared_prompt_reads_what_the_library_returns_with_the_local_model(t
 
 
 def test_the_endpoint_constrains_json_schema_and_refuses_what_it_cannot(tmp_path):
-    from elasticmem.baselines.amem.llm import _httpx
+    from elasticmem.llm.client import _httpx
     from elasticmem.baselines.openai_server import ChatEndpoint, ServerThread
 
     server = ServerThread(ChatEndpoint(ScriptedBackend(), "scripted"))

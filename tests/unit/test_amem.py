@@ -27,10 +27,10 @@ import torch
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
 from elasticmem.baselines.amem.embed import HashingEmbedder
-from elasticmem.baselines.amem.llm import Completion, GenRequest, OpenAIBackend, ServerError, StructuredLLM
+from elasticmem.llm.client import Completion, GenRequest, OpenAIBackend, ServerError, StructuredLLM
 from elasticmem.baselines.amem.memory import AgenticMemory
 from elasticmem.baselines.amem.store import NoteStore
-from elasticmem.baselines.amem.structured import Arr, Bool, Enum, Matcher, Obj, Str, accepts, canonical
+from elasticmem.llm.structured import Arr, Bool, Enum, Matcher, Obj, Str, accepts, canonical
 from elasticmem.baselines.amem.system import AMemSystem
 from elasticmem.data.schema import Example, Turn
 from elasticmem.utils.configuration import ConfigError
@@ -513,7 +513,7 @@ def test_system_builds_one_memory_per_group_and_accounts_tokens():
 def test_shared_answer_prompt_reads_the_retrieved_notes_with_the_local_model(tiny_backbone, one_thread):
     """amem.answer_prompt=shared: no answer call; each question is read by the local model through
     ElasticMem's prompt from its retrieved notes, each rendered with answer_fields, in rank order."""
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
     from elasticmem.config import MemoryConfig
     from elasticmem.eval.reader import SharedPromptReader
 
@@ -671,7 +671,7 @@ def test_openai_backend_gives_up_loudly_and_batches_concurrently():
 
 
 def test_transformers_backend_constrained_json_is_valid_even_from_a_random_model(tiny_backbone, one_thread):
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
 
     cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
     backend = TransformersBackend(tiny_backbone.model, tiny_backbone.tokenizer, batch_size=3)
@@ -697,7 +697,7 @@ def test_shared_prefix_prefill_generates_what_the_plain_prefill_does(tiny_backbo
     """A batch of calls that share their instructions: the common prefix is prefilled once (one
     forward of batch 1) and the answers, constrained and free, equal those of the plain batched
     prefill, token for token, as do the prompt token counts."""
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
 
     cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
     reqs = [GenRequest(prompts.note_messages(text, "today"), 60, prompts.note_schema(cfg), kind="note")
@@ -724,7 +724,7 @@ def test_finished_rows_leave_the_batch_and_the_answers_stay_the_same(tiny_backbo
     cache, so later decoding steps run only the live rows; every answer, constrained or free,
     equals that of decoding with the finished rows kept in (and of decoding each request alone),
     greedy and sampled."""
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
 
     cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
     reqs = [GenRequest(prompts.note_messages(text, "today"), 60, prompts.note_schema(cfg), kind="note")
@@ -790,7 +790,7 @@ def test_no_repeat_ngram_decoding_equals_transformers_own(tiny_backbone, one_thr
     ban decides many tokens. Constrained rows keep valid JSON under the ban."""
     import torch
 
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
 
     model, tok = tiny_backbone.model, tiny_backbone.tokenizer
     backend = TransformersBackend(model, tok, batch_size=2)
@@ -844,7 +844,7 @@ def test_transformers_backend_choosers_get_host_logits_when_the_model_runs_on_an
     sampling generator live on the host. Logits that follow CUDA's device rules
     (``_AcceleratorTensor``) decode constrained JSON and free text, greedy and sampled, without a
     device mix, and give exactly the answers of host logits."""
-    from elasticmem.baselines.amem.llm import TransformersBackend
+    from elasticmem.llm.client import TransformersBackend
 
     cfg = AMemConfig(embedder="hashing", max_item_chars=8, max_context_chars=24, max_keywords=3, max_tags=2)
     reqs = [GenRequest(prompts.note_messages(t, "today"), 60, prompts.note_schema(cfg), kind="note")

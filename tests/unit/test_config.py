@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elasticmem.config import Config, load_config
-from elasticmem.utils.configuration import ConfigError, describe, field_docs, parse_cli, to_yaml
+from elasticmem.utils.configuration import ConfigError, describe, field_docs, to_yaml
+from elasticmem.utils.options import parse_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

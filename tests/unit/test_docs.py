@@ -119,6 +119,16 @@ def test_formatter_scales_and_negates():
     assert gen_results.render(spec) == "| a | b |\n|---|---|\n| +28.4 [+20.1, +36.4] | -28.36 |\n"
 
 
+def test_formatter_writes_milliseconds_and_verdicts():
+    spec = {"command": "c", "commit": "x", "provenance": "p",
+            "data": {"s": 0.01966, "acc": {"a": {"met": True}, "b": {"met": False}}},
+            "table": {"header": ["t", "a", "b"], "rows": [["{s:ms.1f} ms", "{acc[a][met]:met}", "{acc[b][met]:met}"]]}}
+    assert gen_results.render(spec) == "| t | a | b |\n|---|---|---|\n| 19.7 ms | met | **missed** |\n"
+    spec["data"]["acc"]["a"]["met"] = 1.0  # a number is not a verdict
+    with pytest.raises(ValueError, match="takes a boolean"):
+        gen_results.render(spec)
+
+
 def test_marked_tables_equal_their_results_files():
     stale = []
     for path in gen_results.published_files():
@@ -160,11 +170,41 @@ def test_results_files_say_where_they_come_from():
 
 # ---------------------------------------------------------------- commands
 
+def _option_specs() -> list:
+    """Every command's own options: the ``elasticmem.utils.options.Options`` of each module that defines one."""
+    import importlib
+
+    from elasticmem.utils.options import Options
+
+    specs = []
+    for path in sorted((REPO / "elasticmem").rglob("*.py")):
+        if "= Options(" in path.read_text():
+            mod = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+            specs += [v for v in vars(mod).values() if isinstance(v, Options)]
+    return specs
+
+
 def _config_keys() -> set[str]:
+    """The config keys and the commands' dotted options (``serve.port``)."""
     from elasticmem.config import Config
     from elasticmem.utils.configuration import _dotted_keys
+    from elasticmem.utils.options import option_keys
 
-    return set(_dotted_keys(Config))
+    return set(_dotted_keys(Config)).union(*(option_keys(s) for s in _option_specs()))
+
+
+def _option_flags() -> set[str]:
+    """The flags the commands' options make (``--no-access-log`` too)."""
+    import argparse
+
+    from elasticmem.utils.options import add_options
+
+    flags: set[str] = set()
+    for spec in _option_specs():
+        parser = argparse.ArgumentParser(add_help=False)
+        add_options(parser, spec)
+        flags |= set(parser._option_string_actions)
+    return flags
 
 
 def _open_quote(line: str) -> bool:
@@ -219,7 +259,7 @@ def _doc_pages() -> list[Path]:
 
 
 def test_commands_in_readme_and_docs_exist():
-    keys = _config_keys()
+    keys, option_flags = _config_keys(), _option_flags()
     sources = "\n".join(p.read_text() for p in (REPO / "elasticmem").rglob("*.py"))
     problems = []
     for page in _doc_pages():
@@ -239,7 +279,8 @@ def test_commands_in_readme_and_docs_exist():
             for a in args:
                 if a.startswith("--") and a != "--help":
                     flag = a.split("=")[0]
-                    if f'"{flag}"' not in own and f'"{flag}"' not in sources and f"{flag}" not in own:
+                    if (f'"{flag}"' not in own and f'"{flag}"' not in sources and f"{flag}" not in own
+                            and flag not in option_flags):
                         problems.append(f"{where}: unknown flag {flag}")
                 elif re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+=.*", a, re.S):
                     key = a.split("=", 1)[0]

@@ -135,7 +135,7 @@ def test_amem_resumes_across_storage_and_speed_settings_but_not_across_answer_se
     from elasticmem.baselines.amem import AMemSystem
     from elasticmem.baselines.amem.config import AMemConfig, AMemLLMConfig
     from elasticmem.baselines.amem.embed import HashingEmbedder
-    from elasticmem.baselines.amem.llm import StructuredLLM
+    from elasticmem.llm.client import StructuredLLM
 
     def amem(**kw):
         backend = ScriptedBackend()

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backbone: the frozen LM and its tokenizer", ("elasticmem.backbone",)),
     ("bank: the memory bank, its index and appends", ("elasticmem.bank",)),
     ("model: policy, projector, injection, retrieval map, ElasticMem", ("elasticmem.model",)),
+    ("llm: text-generation clients and structured answers (text memory and the agent)", ("elasticmem.llm",)),
     ("eval core: system protocol, reader, metrics, stats, runner, reports",
      ("elasticmem.eval",)),
     ("baselines: MemGen, text memory, A-Mem", ("elasticmem.baselines",)),

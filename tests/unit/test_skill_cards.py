@@ -13,7 +13,7 @@ import json
 import pytest
 
 from elasticmem.agent import skill_cards as S
-from elasticmem.baselines.amem.llm import Completion
+from elasticmem.llm.client import Completion
 
 
 def record(game_id="g1", task_type="pick_heat_then_place_in_recep"):

@@ -42,7 +42,7 @@ import numpy as np
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.baselines.amem.embed import Embedder
-from elasticmem.baselines.amem.llm import CallResult, GenRequest, StructuredLLM
+from elasticmem.llm.client import CallResult, GenRequest, StructuredLLM
 from elasticmem.baselines.amem.notes import MemoryItem, Note, note_id
 from elasticmem.baselines.amem.store import NoteStore, StoreError, VectorIndex
 

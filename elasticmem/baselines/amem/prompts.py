@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.baselines.amem.notes import Note
-from elasticmem.baselines.amem.structured import Arr, Bool, Enum, Obj, Str, canonical
+from elasticmem.llm.structured import Arr, Bool, Enum, Obj, Str, canonical
 
 Messages = list[dict[str, str]]
 

@@ -273,12 +273,13 @@ def run(cfg: LoCoMoRunConfig, system=None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from elasticmem.utils import configuration
+    from elasticmem.utils.configuration import print_config
+    from elasticmem.utils.options import parse_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    cfg, _ = configuration.parse_cli(LoCoMoRunConfig, argv, prog="python -m elasticmem.baselines.amem.run_locomo",
-                                     description=__doc__.split("\n\n")[0])
-    configuration.print_config(cfg, file=sys.stderr)
+    cfg, _ = parse_cli(LoCoMoRunConfig, argv, prog="python -m elasticmem.baselines.amem.run_locomo",
+                       description=__doc__.split("\n\n")[0])
+    print_config(cfg, file=sys.stderr)
     run(cfg)
 
 

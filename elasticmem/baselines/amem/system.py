@@ -30,7 +30,7 @@ from typing import Any
 from elasticmem.baselines.amem import prompts
 from elasticmem.baselines.amem.config import AMemConfig
 from elasticmem.baselines.amem.embed import Embedder, load_embedder
-from elasticmem.baselines.amem.llm import GenRequest, StructuredLLM, TransformersBackend
+from elasticmem.llm.client import GenRequest, StructuredLLM, TransformersBackend
 from elasticmem.baselines.amem.memory import AgenticMemory, build_memories, expand_queries
 from elasticmem.baselines.amem.notes import MemoryItem
 from elasticmem.config import MemoryConfig

@@ -1,4 +1,4 @@
-"""A tiny JSON schema language for A-Mem's LLM answers, and an incremental matcher for it.
+"""A tiny JSON schema language for structured LLM answers, and an incremental matcher for it.
 
 Every structured answer A-Mem asks an LLM for (note attributes, the evolution decision,
 query keywords) is a JSON object with a *fixed key layout* whose values are strings,

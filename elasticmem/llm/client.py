@@ -1,4 +1,7 @@
-"""LLM backends for A-Mem and the wrapper that turns their outputs into validated JSON.
+"""LLM backends and the wrapper that turns their outputs into validated JSON.
+
+Shared by the text-memory baselines (A-Mem, Mem0-style text memory), the agent's skill cards and
+the local OpenAI-compatible server (``elasticmem.baselines.openai_server``).
 
 Why one file: both backends implement the one protocol that ``StructuredLLM`` wraps and share its
 statistics; the local backend's constrained decoding is the bulk (a candidate for its own module).
@@ -36,8 +39,8 @@ from typing import Any, Protocol
 
 import torch
 
-from elasticmem.baselines.amem.config import AMemLLMConfig
-from elasticmem.baselines.amem.structured import Matcher, Obj, normalise, parse_json_object
+from elasticmem.config import AMemLLMConfig
+from elasticmem.llm.structured import Matcher, Obj, normalise, parse_json_object
 from elasticmem.model.injection import left_pad
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Load and abuse benchmark of the memory server (issue 40): throughput, a flooding tenant, append and compaction.
 
-    OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --config configs/tiny.yaml --out runs/bench/serve_abuse.json \\
-        backbone.tiny.char_fallback=true                                   # the tiny random model (~5 min, 2 cores)
+    OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --config configs/tiny.yaml --flood-baseline \\
+        --out runs/bench/serve_abuse.json backbone.tiny.char_fallback=true  # the tiny random model (~7 min, 2 cores)
     OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --scenario flood --flood-requests 3 --flood-timeout-s 120 \
         memory.retrieval_map=null             # SmolLM2 (the default preset, no trained map), flood only (~8 min)
     OMP_NUM_THREADS=1 python benchmarks/serve_abuse.py --config configs/tiny.yaml --clients 1,2 --requests 4 \\
@@ -18,8 +18,10 @@ Loopback only, bounded in requests and time. ``--scenario`` (comma-separated, de
   (1, 4, 16) concurrent clients of tenant ``b``, each sending its next request when its last one is
   answered (serve.py's ``_drive``). Reported: requests/s (requests / wall time) and the p50 / p95 /
   p99 client-side latency (nearest rank).
-- ``flood``: on the same server, tenant ``b``'s one well-behaved client sends ``--flood-requests``
-  small questions one after the other, first alone (unloaded), then while tenant ``a`` floods:
+- ``flood``: on the same server, tenant ``b``'s one well-behaved client (in a process of its own, as
+  another tenant's client would be: in the benchmark's event loop its timer would also count the
+  flooding clients' work) sends ``--flood-requests`` small questions one after the other, first
+  alone (unloaded), then while tenant ``a`` floods:
   ``--tenant-max-in-flight`` + ``--flood-extra`` concurrent clients, each sending at once again
   whatever it was answered (no back-off, except ``--flood-backoff-ms`` after a 429/413, so
   that the flooder's own client loop does not take the 2 cores from the server). All but
@@ -35,6 +37,9 @@ Loopback only, bounded in requests and time. ``--scenario`` (comma-separated, de
   was answered; they are cancelled, so the server drops or discards them): sent = answered +
   refused + unfinished. A b request not answered within ``--flood-timeout-s`` ends the flood; b's
   flooded figures are then that timeout, and the ratios lower bounds (``ratios_are_lower_bounds``).
+  ``--flood-repeats N`` measures the pair (alone, flooded) N times on the same server: one run's
+  ratio on a shared 2-core machine moves with whatever else runs, so the acceptance figure is the
+  median of the N p95 ratios, reported with each of them (``flood_runs``; ``flood`` is the median run).
 - ``append``: in this process, without the server (``benchmarks/bank_append.py``'s
   ``measure_append``): a bank of the tiny random model (hidden size 64, float32; any preset's
   server uses the same append code) filled by appends of ``--fill-batch`` synthetic one-chunk
@@ -160,6 +165,27 @@ def maximal_ask(url: str, args: argparse.Namespace) -> tuple[dict, dict, list[di
     raise RuntimeError(f"no accepted maximal question after {len(probes)} probes: {probes}")
 
 
+def _b_client(url: str, n: int, timeout: float) -> tuple[float, list[float], list[dict]] | None:
+    """Tenant b's well-behaved client, in a process of its own: its latencies then do not include
+    the flooding clients' work in the benchmark's event loop (a tenant's client is not the other
+    tenant's). None when one of its requests waited longer than ``timeout``."""
+    import httpx
+
+    try:
+        return asyncio.run(_drive(url, _questions(n, 1), 1, _auth(KEY_B), timeout=timeout))
+    except httpx.TimeoutException:
+        return None
+
+
+async def _b_measured(url: str, args: argparse.Namespace) -> tuple[float, list[float], list[dict]] | None:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, _b_client, url, args.flood_requests,
+                                                                args.flood_timeout_s)
+
+
 async def flood(url: str, args: argparse.Namespace, maximal: dict, over: dict) -> dict:
     import httpx
 
@@ -198,11 +224,9 @@ async def flood(url: str, args: argparse.Namespace, maximal: dict, over: dict) -
         tasks = [asyncio.ensure_future(flooder(a, k)) for k in range(n_clients)]
         try:
             await asyncio.sleep(args.flood_ramp_s)  # a's queue fills before b measures
-            wall, lat, _ = await _drive(url, _questions(args.flood_requests, 1), 1, _auth(KEY_B),
-                                        timeout=args.flood_timeout_s)
-            b = _stats(lat, wall)
-        except httpx.TimeoutException:  # one of b's requests waited longer than the bound: say so
-            b = {"requests": 0, "timed_out_s": args.flood_timeout_s}
+            measured = await _b_measured(url, args)
+            # None: one of b's requests waited longer than the bound: say so
+            b = _stats(measured[1], measured[0]) if measured else {"requests": 0, "timed_out_s": args.flood_timeout_s}
         finally:
             stop.set()
             for t in tasks:
@@ -227,24 +251,43 @@ def run_server_scenarios(args: argparse.Namespace, work: Path) -> dict:
         if "load" in args.scenario:
             out["load"] = load(srv.url, args)
         if "flood" in args.scenario:
-            maximal, over, probes = maximal_ask(srv.url, args)
-            alone = asyncio.run(_drive(srv.url, _questions(args.flood_requests, 1), 1, _auth(KEY_B)))
-            fl = asyncio.run(flood(srv.url, args, maximal, over))
-            unloaded = _stats(alone[1], alone[0])
-            out["flood"] = {
-                "b_unloaded": unloaded, "b_flooded": fl["b"], "a": fl["a"], "a_clients": fl["a_clients"],
-                # a timed-out request bounds the ratios from below: it waited at least --flood-timeout-s
-                "p50_ratio": fl["b"].get("p50_s", args.flood_timeout_s) / unloaded["p50_s"],
-                "p95_ratio": fl["b"].get("p95_s", args.flood_timeout_s) / unloaded["p95_s"],
-                "ratios_are_lower_bounds": "timed_out_s" in fl["b"],
-                "maximal_request": {"question_chars": len(maximal["question"]), "choices": len(maximal["choices"]),
-                                    "choice_chars": len(maximal["choices"][0]),
-                                    "max_new_tokens": maximal["max_new_tokens"],
-                                    "body_bytes": len(json.dumps(maximal).encode()), "probes": probes}}
+            runs = [flood_figures(srv.url, args) for _ in range(args.flood_repeats)]
+            out["flood_runs"] = [{k: r[k] for k in ("p50_ratio", "p95_ratio", "ratios_are_lower_bounds")}
+                                 | {"b_unloaded_p95_s": r["b_unloaded"].get("p95_s"),
+                                    "b_flooded_p95_s": r["b_flooded"].get("p95_s")} for r in runs]
+            out["flood"] = sorted(runs, key=lambda r: r["p95_ratio"])[(len(runs) - 1) // 2]  # the median run
         out["server_metrics"] = httpx.get(f"{srv.url}/metrics", timeout=60).json()
     finally:
         srv.stop()
+    if "flood" in args.scenario and args.flood_baseline:
+        # the same flood on a server whose batches are neither token-bounded nor interrupted
+        base = ServerProcess(args, work / "bank_baseline", "elasticmem", True, work / "server_baseline.log",
+                             [*extra, "--max-batch-tokens", "none", "--slice-ms", "none"])
+        try:
+            base.wait_ready()
+            preload(base.url, args.sessions)
+            out["flood_baseline"] = flood_figures(base.url, args)
+            out["flood_baseline"]["server_metrics"] = httpx.get(f"{base.url}/metrics", timeout=60).json()["model"]
+        finally:
+            base.stop()
     return out
+
+
+def flood_figures(url: str, args: argparse.Namespace) -> dict:
+    """Tenant b alone, then while tenant a floods, on the server at ``url``; the ratios."""
+    maximal, over, probes = maximal_ask(url, args)
+    alone = asyncio.run(_b_measured(url, args))  # measured as flooded: from b's own process
+    fl = asyncio.run(flood(url, args, maximal, over))
+    unloaded = _stats(alone[1], alone[0])
+    return {
+        "b_unloaded": unloaded, "b_flooded": fl["b"], "a": fl["a"], "a_clients": fl["a_clients"],
+        # a timed-out request bounds the ratios from below: it waited at least --flood-timeout-s
+        "p50_ratio": fl["b"].get("p50_s", args.flood_timeout_s) / unloaded["p50_s"],
+        "p95_ratio": fl["b"].get("p95_s", args.flood_timeout_s) / unloaded["p95_s"],
+        "ratios_are_lower_bounds": "timed_out_s" in fl["b"],
+        "maximal_request": {"question_chars": len(maximal["question"]), "choices": len(maximal["choices"]),
+                            "choice_chars": len(maximal["choices"][0]), "max_new_tokens": maximal["max_new_tokens"],
+                            "body_bytes": len(json.dumps(maximal).encode()), "probes": probes}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,10 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-ramp-s", type=float, default=2.0, help="flood: seconds a floods before b measures")
     p.add_argument("--flood-timeout-s", type=float, default=600.0,
                    help="flood: b's wait for one answer; past it b stops and the ratios become lower bounds")
+    p.add_argument("--flood-repeats", type=int, default=1,
+                   help="flood: measure b alone and flooded this many times; the acceptance is their median p95 ratio")
+    p.add_argument("--flood-baseline", action="store_true",
+                   help="flood: also on a second server with --max-batch-tokens none --slice-ms none (batches "
+                        "neither bounded nor interrupted), for comparison")
     p.add_argument("--tenant-max-in-flight", type=int, default=lim.tenant_max_in_flight, help="the server's limit")
     p.add_argument("--tenant-max-queued", type=int, default=lim.tenant_max_queued, help="the server's limit")
     p.add_argument("--append-sizes", default="1000,10000,100000", help="append: bank rows, comma-separated")
-    p.add_argument("--append-repeats", type=int, default=20, help="append: timed one-session appends per size")
+    p.add_argument("--append-repeats", type=int, default=40, help="append: timed one-session appends per size")
     p.add_argument("--fill-batch", type=int, default=5000, help="append: rows per append while filling")
     p.add_argument("--compaction-rows", type=int, default=4500, help="compaction: one-session appends from empty")
     p.add_argument("--max-batch", type=int, default=8)
@@ -281,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args.scenario = {"load", "flood", "append"} if args.scenario == "all" else set(args.scenario.split(","))
     if args.scenario - {"load", "flood", "append"}:
         p.error("--scenario takes load, flood, append or all")
+    if args.flood_repeats < 1:
+        p.error("--flood-repeats must be at least 1")
     args.clients = [int(c) for c in args.clients.split(",")]
     args.append_sizes = [int(s) for s in args.append_sizes.split(",")]
     if max(args.clients + [args.max_batch]) > min(args.tenant_max_in_flight, args.tenant_max_queued):
@@ -321,9 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         for lv in srv["load"]:
             print(f"| {lv['clients']} | {lv['requests']} | {lv['requests_per_s']:.2f} | {lv['p50_s']:.3f} | "
                   f"{lv['p95_s']:.3f} | {lv['p99_s']:.3f} |")
-    if "flood" in srv:
-        f = srv["flood"]
-        print("\n| tenant b (1 client) | requests | p50 s | p95 s | p99 s |\n|---|---|---|---|---|")
+    for key, title in (("flood", "tenant b (1 client)"),
+                       ("flood_baseline", "tenant b, batches not bounded nor interrupted (baseline)")):
+        if key not in srv:
+            continue
+        f = srv[key]
+        print(f"\n| {title} | requests | p50 s | p95 s | p99 s |\n|---|---|---|---|---|")
         for name in ("b_unloaded", "b_flooded"):
             s = f[name]
             if "timed_out_s" in s:
@@ -336,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tenant a: {f['a_clients']} clients, maximal question {m['question_chars']} chars + {m['choices']} x "
               f"{m['choice_chars']} chars, max_new_tokens {m['max_new_tokens']}; sent {a['sent']} = answered "
               f"{a['answered']} + refused {a['refused']} + unfinished {a['unfinished']}")
-        acc["flood_p95_ratio"] = {"value": f["p95_ratio"], "limit": 2.0, "met": f["p95_ratio"] <= 2.0}
+        if key == "flood":
+            ratios = [r["p95_ratio"] for r in srv["flood_runs"]]
+            if len(ratios) > 1:
+                print(f"p95 ratio of each of {len(ratios)} floods: {', '.join(f'{r:.2f}x' for r in ratios)}; "
+                      f"median {f['p95_ratio']:.2f}x, {sum(r <= 2.0 for r in ratios)} of {len(ratios)} at most 2x")
+            acc["flood_p95_ratio"] = {"value": f["p95_ratio"], "limit": 2.0, "met": f["p95_ratio"] <= 2.0,
+                                      "runs": ratios, "runs_met": sum(r <= 2.0 for r in ratios)}
     if "append" in result:
         ap, co = result["append"], result["compaction"]
         print("\n| bank rows | one append, median ms | p90 ms |\n|---|---|---|")

@@ -273,6 +273,14 @@ class LiveMemory:
         with self._lock:
             return self.model.refresh_bank()
 
+    def preemptible(self) -> bool:
+        """Whether other requests may run between two decoding steps of the answers being generated
+        now (the server's worker asks, ``generation.step_gate``): not while the frozen base model
+        generates (adapter off), since a nested request's passes toggle the adapter as they go and
+        leave it on. Every other change a request makes to the model (its settings, the bank it
+        refreshes or appends to) is restored or only added to by the time it returns."""
+        return not getattr(self.model, "_adapter_disabled", False)
+
     def _refresh_if_changed(self) -> None:
         """Another process (build_bank.py --append, a second server) may have appended: its
         commits are the journal's new records, so reading them costs what they hold, not the bank."""
@@ -323,6 +331,7 @@ class LiveMemory:
                 id=f"live-{self._asked}", source="live", question=r.question, choices=list(r.choices or []),
                 answer_index=0 if mc else -1, question_type="live", history=[], group=r.group,
                 answer_text=None if mc else ""))
+        chunks = model.bank.chunks()  # the rows this batch reads, whatever runs between its steps
         saved = model.cfg
         # a group with no memory yet is answered without memory, as the no-memory system does
         model.cfg = dataclasses.replace(saved, max_new_tokens=max_new_tokens, top_z=saved.top_z if known else 0)
@@ -332,7 +341,6 @@ class LiveMemory:
             total = time.perf_counter() - t0
         finally:
             model.cfg = saved
-        chunks = model.bank.chunks()
         answers = []
         for r, p in zip(requests, preds):
             mems = []

@@ -247,6 +247,21 @@ def _group_memo(bank: Bank, group: str) -> _GroupMemo:
     return memo
 
 
+def _memos_follow(bank: Bank, grown: Bank, touched: dict[str, list[int]], records: list[dict[str, Any]],
+                  start: int) -> None:
+    """Bring the memos of the groups an append touched, which were up to date with ``bank``, up to
+    ``grown``'s rows at once: the next append to them then reads nothing (an append's cost would
+    otherwise carry, for each group, the rows its previous one added)."""
+    memos = bank._store.memo
+    for g, rs in touched.items():
+        memo = memos.get(g)
+        if memo is None or memo.covered != tuple(bank.groups.get(g, ())) or memo.version != _version(bank):
+            continue  # another snapshot's: _group_memo brings it up to date when it is next read
+        for r in rs:
+            memo.add(records[r - start])
+        memo.covered, memo.version = tuple(grown.groups.get(g, ())), _version(grown)
+
+
 def _version(bank: Bank) -> tuple[int, int]:
     """Orders the snapshots of one line of appends: deletes committed, then rows."""
     return int(bank.manifest.get("build", {}).get("deletes", 0)), bank.num_chunks
@@ -350,9 +365,9 @@ def append_sessions(
         raise BankError(f"no bank at {root}: create one first (elasticmem.bank.append.create_bank, or build_bank.py)")
     with _dir_lock(root):
         bank = _latest(root, snapshot, fingerprint)
-        for p in root.iterdir():  # debris of an append that crashed before its commit
-            if ".tmp" in p.name and p.name.startswith((MANIFEST, "chunks", "shard-", "journal-")):
-                p.unlink(missing_ok=True)
+        for name in os.listdir(root):  # debris of an append that crashed before its commit (names: no Paths)
+            if ".tmp" in name and name.startswith((MANIFEST, "chunks", "shard-", "journal-")):
+                (root / name).unlink(missing_ok=True)
         tagged, item_skipped = _new_chunks(bank, items)
         new = [c for _, c in tagged]
         rows: dict[str, list[int]] = {it.group: [] for it in items}
@@ -407,6 +422,7 @@ def append_sessions(
         else:
             grown = bank._grown([record], _append_journal(bank.journal, record))  # the commit
         grown._add_records(start, records)
+        _memos_follow(bank, grown, touched, records, start)
         if _merge_plan(_appended_rows(grown.manifest)):
             grown = _compact(grown)
         elif grown._journal_records >= CHECKPOINT_RECORDS:
@@ -462,15 +478,17 @@ def _merge_plan(sizes: Sequence[int], target_rows: int | None = None, fanout: in
     for b in sorted(bounds):
         out: list[tuple[list[int], int]] = []
         run: list[tuple[list[int], int]] = []
+        held = 0  # the rows of ``run``: kept as it grows, since every append plans over every shard
         for piece in pieces:
             if piece[1] >= b:
                 out += run + [piece]
-                run = []
+                run, held = [], 0
                 continue
             run.append(piece)
-            if sum(n for _, n in run) >= b:
-                out.append(([k for ks, _ in run for k in ks], sum(n for _, n in run)))
-                run = []
+            held += piece[1]
+            if held >= b:
+                out.append(([k for ks, _ in run for k in ks], held))
+                run, held = [], 0
         pieces = out + run
     if sum(1 for _, n in pieces if n < target) > MAX_SMALL_SHARDS:
         out, cur = [], ([], 0)

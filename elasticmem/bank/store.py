@@ -272,10 +272,10 @@ class Bank:
         reuse = {s.file: h for s, h in zip(like.shards, like._handles)} if like is not None else {}
         self._handles: list[Any] = []
         for s in self.shards:
-            path = root / s.file
             if s.file in reuse:  # a file name is never reused for other content within a line of appends
                 self._handles.append(reuse[s.file])
                 continue
+            path = root / s.file  # here only: an append's snapshot reuses all but one (a Path per shard costs)
             try:
                 self._handles.append(safe_open(str(path), framework="pt"))
             except Exception as e:  # safetensors raises its own error types for broken headers

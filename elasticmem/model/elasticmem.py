@@ -52,6 +52,7 @@ from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
 from elasticmem.model.generation import (
+    chunked_prefill,
     decode_answers,
     decoding_config,
     eos_token_ids,
@@ -266,8 +267,10 @@ class ElasticMem(nn.Module):
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with self._decoder(disable_adapter=mode == "frozen"):
-            H, cache = self._forward_hidden(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                            use_cache=mode == "control")
+            # only the last position's states are read below, and the cache: a chunked read gives both
+            chunked = chunked_prefill(self.base.get_decoder(), mask, pos, input_ids=ids)
+            H, cache = chunked or self._forward_hidden(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                                       use_cache=mode == "control")
         if mode != "control":
             h = H[:, -1].float().repeat_interleave(G, 0)
             return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h

@@ -10,7 +10,9 @@ Shared by ``ElasticMem`` and every reader that answers through its prompt (``eva
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -108,6 +110,86 @@ def decoding_config(cfg: MemoryConfig, tokenizer, eos_ids: list[int], temperatur
     )
 
 
+_STEP_GATE: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("step_gate", default=None)
+_PREFILL_CHUNK: contextvars.ContextVar[int | None] = contextvars.ContextVar("prefill_chunk", default=None)
+
+
+@contextlib.contextmanager
+def step_gate(gate: Callable[[], None] | None, prefill_chunk: int | None = None):
+    """Inside the block, every answer generation of this thread calls ``gate()`` between two
+    decoding steps (None: nothing is called, e.g. in work the gate itself runs); with
+    ``prefill_chunk``, prompts longer than that are also read in chunks of that many positions,
+    the gate called between two chunks (``chunked_prefill``).
+
+    The server's worker uses it to let other tenants' waiting requests run between the steps of a
+    long batch (``serve.worker``). The gate runs on the generating thread with the step's state
+    alive, so what it runs must leave the model as it found it (``LiveMemory.preemptible``)."""
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive number of positions or None, got {prefill_chunk}")
+    token, chunk = _STEP_GATE.set(gate), _PREFILL_CHUNK.set(prefill_chunk if gate is not None else None)
+    try:
+        yield
+    finally:
+        _STEP_GATE.reset(token)
+        _PREFILL_CHUNK.reset(chunk)
+
+
+def chunked_prefill(decoder: nn.Module, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
+                    input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                    upto: int | None = None, cache=None) -> tuple[torch.Tensor, object] | None:
+    """The decoder's pass over the first ``upto`` positions (default: all) of a prompt, read in
+    chunks when this thread's step gate asks for it (``step_gate(gate, prefill_chunk=C)``) and the
+    prompt is longer than C: the gate runs between two chunks and after the last. Returns the final
+    states of the last chunk [N, c, d] (its last row is the last position's) and the KV cache of
+    every position read; None when no chunking is asked for (the caller runs its one pass).
+
+    Why: a prompt's forward pass is the one piece of a request no decoding step can interrupt;
+    on a CPU a 4096-token prompt on SmolLM2 takes seconds. Read in chunks over the cache, the same
+    positions see the same keys (the attention mask up to the chunk's end, the caller's position
+    ids), so the states equal one pass's up to float error (``tests/unit/test_serve_preemption.py``).
+
+    ``attention_mask`` [N, L] (left padding), or [N, 1, L, M + L] over a ``cache`` that already holds
+    M slots (KV memories: ``injection.assemble``'s mask, rows cut to the chunk, columns to what it
+    sees); ``position_ids`` [N, L]; ``input_ids`` [N, L] or ``inputs_embeds`` [N, L, d].
+    """
+    gate, chunk = _STEP_GATE.get(), _PREFILL_CHUNK.get()
+    x = input_ids if input_ids is not None else inputs_embeds
+    n = x.shape[1] if upto is None else upto
+    if gate is None or chunk is None or n <= chunk:
+        return None
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=decoder.config)
+    slots = attention_mask.shape[-1] - x.shape[1]  # a 4D mask's columns before the text
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        if start:
+            gate()
+        part = {"input_ids": x[:, start:end]} if input_ids is not None else {"inputs_embeds": x[:, start:end]}
+        mask = attention_mask[:, :end] if attention_mask.dim() == 2 else attention_mask[:, :, start:end, :slots + end]
+        out = decoder(**part, attention_mask=mask, position_ids=position_ids[:, start:end], cache=cache,
+                      use_cache=True)
+    gate()
+    return out.last_hidden_state, cache
+
+
+def _gate_criterion():
+    """``generate``'s stopping criterion that calls the thread's step gate and stops nothing; None
+    without a gate."""
+    gate = _STEP_GATE.get()
+    if gate is None:
+        return None
+    from transformers import StoppingCriteria
+
+    class Gate(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            gate()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Gate()
+
+
 def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in: Assembled, eos_ids: list[int],
                      pad_id: int, temperature: float, greedy: bool):
     """Answer tokens [N, T], their mask (up to the first EOS) and log-probs at the temperature.
@@ -121,13 +203,22 @@ def generate_answers(lm: nn.Module, base: nn.Module, generation_config, batch_in
     if batch_in.cache is not None:
         return _generate_with_cache(base, generation_config.max_new_tokens, batch_in, eos_ids, pad_id, temperature,
                                     greedy)
-    hooks = {}
+    hooks: dict = {}
     if not greedy:
         record, gather, steps = _answer_logp_hooks(temperature)
         hooks = dict(logits_processor=[record], stopping_criteria=[gather])
+    gate = _gate_criterion()
+    if gate is not None:  # after ``gather``: the step's log-prob is taken before other work runs
+        hooks.setdefault("stopping_criteria", []).append(gate)
+    mask = batch_in.attention_mask
+    # all but the last position: generate's own pass over that one gives the first token's logits
+    pre = chunked_prefill(base.get_decoder(), mask, (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0),
+                          inputs_embeds=batch_in.embeds, upto=batch_in.embeds.shape[1] - 1)
+    if pre is not None:  # generate reads only the positions its cache does not hold
+        hooks["cache"] = pre[1]
     with _blank_model_generation_config(base):
         # With inputs_embeds and no input_ids, a decoder-only generate returns the new tokens only.
-        ids = lm.generate(inputs_embeds=batch_in.embeds, attention_mask=batch_in.attention_mask,
+        ids = lm.generate(inputs_embeds=batch_in.embeds, attention_mask=mask,
                           generation_config=generation_config, **hooks)
     T = ids.shape[1]
     if greedy:
@@ -155,16 +246,21 @@ def _generate_with_cache(base: nn.Module, max_new_tokens: int, x: Assembled, eos
     temperature; zeros when greedy).
     """
     decoder, head = base.get_decoder(), base.get_output_embeddings()
-    out = decoder(**x.forward_kwargs(), use_cache=True)
-    cache = out.cache
-    h = out.last_hidden_state[:, -1]
+    pre = chunked_prefill(decoder, x.attention_mask, x.position_ids, inputs_embeds=x.embeds, cache=x.cache)
+    if pre is None:
+        out = decoder(**x.forward_kwargs(), use_cache=True)
+        pre = out.last_hidden_state, out.cache
+    h, cache = pre[0][:, -1], pre[1]
     valid = torch.cat([x.past_valid, x.text_valid], 1)
     pos = x.position_ids[:, -1] + 1
     N, device = h.shape[0], h.device
     eos = torch.tensor(eos_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     ids, logps = [], []
+    gate = _STEP_GATE.get()
     for _ in range(max_new_tokens):
+        if gate is not None and ids:
+            gate()
         logits = head(h).float()
         if greedy:
             tok = logits.argmax(-1)

@@ -4,6 +4,7 @@ The package's docstring (``elasticmem/serve/__init__.py``) describes the server 
 """
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -204,8 +205,12 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
     app.state.in_flight = in_flight
     # /health and /metrics hold no tenant data; the API's description is the API's: behind the key too
     public = {"/health", "/metrics"} | ({"/openapi.json", "/docs", "/docs/oauth2-redirect"} if open_docs else set())
+    # one prompt of a tenant tokenized at a time: a burst of one tenant's maximal prompts then queues
+    # behind itself in the thread pool, not in front of the other tenants' prompts
+    tokenizing: collections.defaultdict[str | None, asyncio.Semaphore] = collections.defaultdict(asyncio.Semaphore)
     app.add_middleware(Gate, metrics=metrics, limits=limits, keys=keys, public=frozenset(public),
-                       in_flight=in_flight, retry_after=retry_after, routes=lambda: app.router.routes)
+                       in_flight=in_flight, retry_after=retry_after, routes=lambda: app.router.routes,
+                       queue_full=worker.tenant_queue_full)
 
     # -- errors: one shape for all, {"error": {"message", "type", "code"}} (OpenAI clients read it)
     def error(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
@@ -270,10 +275,10 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def run_model(request: Request, key: ApiKey | None, kind: str, payload: Any) -> Any:
+    async def run_model(request: Request, key: ApiKey | None, kind: str, payload: Any, cost: int = 0) -> Any:
         tenant = key.tenant if key else None
         try:
-            future = worker.submit(kind, payload, tenant)
+            future = worker.submit(kind, payload, tenant, cost)
         except (QueueFull, ServerStopping) as e:
             raise HTTPException(503, str(e)) from None
         except TenantQueueFull as e:
@@ -306,14 +311,16 @@ def create_app(live: Any, keys: dict[str, ApiKey] | None = None, limits: Limits 
                   max_new_tokens: int | None) -> Any:
         from elasticmem.live import AskRequest
 
+        n = 0
         if count_prompt is not None:  # before queueing: one long prompt must not hold the worker
-            n = await asyncio.to_thread(count_prompt, question, choices)
+            async with tokenizing[key.tenant if key else None]:
+                n = await asyncio.to_thread(count_prompt, question, choices)
             if n > limits.max_prompt_tokens:
                 raise HTTPException(413, f"the prompt is {n} tokens after templating (question"
                                     f"{' and options' if choices else ''}); the limit is {limits.max_prompt_tokens} "
                                     "tokens (--max-prompt-tokens)")
         answer = await run_model(request, key, "ask", AskRequest(group=group, question=question, choices=choices,
-                                                                 max_new_tokens=max_new_tokens))
+                                                                 max_new_tokens=max_new_tokens), cost=n)
         foreign = [m for m in answer.memories if m.group != group]
         if foreign:  # defence in depth: the model searches one group; never return another's memory
             log.error("ask for group %r retrieved %d memories of other groups; answer withheld", group, len(foreign))

@@ -84,15 +84,16 @@ class InFlight:
 
 class Gate:
     """Outermost ASGI layer, in this order: counts and times every request by route; checks the API
-    key from the headers (401) and the tenant's requests in flight (429), both before a byte of the
-    body is read; reads the body within ``body_timeout_s`` (408) and ``max_body_bytes`` (413, on the
-    declared Content-Length and again while reading, since a chunked request declares none), then
+    key from the headers (401), the tenant's requests in flight and, for a request that queues model
+    work (POST, DELETE), its share of the queue (429), all before a byte of the body is read; reads
+    the body within ``body_timeout_s`` (408) and ``max_body_bytes`` (413, on the declared
+    Content-Length and again while reading, since a chunked request declares none), then
     replays it to the app. A client that leaves while its body is read is counted, not answered.
     """
 
     def __init__(self, app: Callable, metrics: Metrics, limits: Limits, keys: dict[str, ApiKey] | None,
                  public: frozenset[str], in_flight: InFlight, retry_after: Callable[[str | None], int],
-                 routes: Callable[[], list]) -> None:
+                 routes: Callable[[], list], queue_full: Callable[[str | None], str | None] | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.limits = limits
@@ -101,6 +102,10 @@ class Gate:
         self.in_flight = in_flight
         self.retry_after = retry_after
         self.routes = routes
+        self.queue_full = queue_full
+        """Why a tenant's next model job would be refused for its share of the queue (None: it fits):
+        a flooding tenant's requests are then refused before their bodies are read, parsed and their
+        prompts tokenized, work that would take the CPU from the other tenants."""
 
     def _endpoint(self, scope: dict) -> str:
         from starlette.routing import Match
@@ -143,6 +148,11 @@ class Gate:
                                        "rate_limit_error", {"Retry-After": str(self.retry_after(tenant))})
                     return
                 holds.append(tenant)
+                full = self.queue_full(tenant) if self.queue_full and scope["method"] in ("POST", "DELETE") else None
+                if full:
+                    await self._refuse(send_measured, 429, full, "rate_limit_error",
+                                       {"Retry-After": str(self.retry_after(tenant))})
+                    return
             body = await self._read_body(scope, receive, send_measured, status)
             if body is None:
                 return
@@ -159,6 +169,7 @@ class Gate:
         finally:
             for tenant in holds:
                 self.in_flight.release(tenant)
+
             self.metrics.record(endpoint, status[0], time.perf_counter() - t0)
 
     async def _read_body(self, scope: dict, receive: Callable, send: Callable, status: list[int]) -> bytes | None:

@@ -82,6 +82,22 @@ class Batching:
     """Most questions answered by one ``ask_many`` (and sessions appended by one ``add_many``)."""
     window_ms: float = 5.0
     """After the first request of a batch arrives, how long to wait for more (0 = take what is queued)."""
+    max_batch_tokens: int | None = 4096
+    """Most prompt tokens (questions and options, as ``max_prompt_tokens`` counts them) of the asks in
+    one batch; a batch's first request always fits. It bounds the forward passes nothing can
+    interrupt (reading the batch's questions and prompts), so it bounds how long a batch of maximal
+    requests holds another tenant's request that arrives then. None = no bound."""
+    slice_ms: float | None = 20.0
+    """Once a batch of asks has run this long, other tenants' waiting requests run between two of its
+    decoding steps (one batch of theirs per step): a long batch cannot hold a short request of
+    another tenant for longer than about one decoding step. 0 = from the first step; None = never."""
+    prefill_chunk: int | None = 64
+    """With ``slice_ms``: a prompt longer than this many positions is read in chunks of it, the other
+    tenants' waiting requests run between two (``generation.chunked_prefill``), so a maximal prompt's
+    forward pass holds another tenant's request for one chunk, not for the whole prompt (SmolLM2 on
+    one CPU thread reads a 3072-token prompt in 16-18 s in one pass, in 20 s in chunks of 64, each at
+    most 0.6 s). The answers are the same. On a GPU, where one pass over a long prompt is fast and
+    small chunks waste it, use 512 or more. None = one pass."""
 
     @classmethod
     def off(cls) -> "Batching":

@@ -40,10 +40,13 @@ class _Job:
     payload: Any  # an AskRequest, or (group, turns)
     future: concurrent.futures.Future
     tenant: str | None = None
+    cost: int = 0
+    """Prompt tokens of an ask (0 when not counted): what ``Batching.max_batch_tokens`` bounds."""
     enqueued: float = field(default_factory=time.perf_counter)
 
 
 _STOP = object()
+_NOBODY = object()
 
 
 class ModelWorker:
@@ -56,6 +59,15 @@ class ModelWorker:
     it; one tenant's jobs stay in arrival order. A batch is what arrives within ``window_ms`` of its
     first job (at most ``max_batch``): its adds are applied first, in order, by one ``add_many``, then
     its asks are answered by one ``ask_many``. So an ask sent after an add was answered sees that add.
+
+    What one tenant's requests cost the others is bounded twice. A batch holds at most
+    ``max_batch_tokens`` prompt tokens (its first job always fits), which bounds the forward passes
+    nothing can interrupt (reading the questions and the prompt); and once a batch of asks has run
+    ``slice_ms``, it lets the other tenants' waiting requests run between two of its decoding steps,
+    one batch of theirs per step (``generation.step_gate``), and between two chunks of a long prompt
+    (``prefill_chunk``), so a tenant that floods the server with maximal questions holds another
+    tenant's short one for about one step or one chunk, not for its whole batch.
+    The nested batch itself is not interrupted; the tenants of the running batch wait their turn.
     """
 
     def __init__(self, live: Any, batching: Batching, max_queue: int = 1024, tenant_max_queued: int | None = None,
@@ -88,6 +100,9 @@ class ModelWorker:
         self.memories_forgotten = 0
         self.forget_errors = 0
         self.withdrawn = 0
+        self.preemptions = 0
+        self._nested = False  # in a batch run between the decoding steps of another (only that thread reads it)
+        self._nested_s = 0.0  # seconds spent in such batches: not the interrupted batch's busy time
         self.busy_s = 0.0
         self.queue_wait: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
 
@@ -123,19 +138,20 @@ class ModelWorker:
             return self.busy_s / n if n else 0.0
 
     # -- submitting
-    def submit(self, kind: str, payload: Any, tenant: str | None = None) -> concurrent.futures.Future:
-        """Queue one job of ``tenant``; its future gets the Answer / AddResult, or the exception raised."""
+    def submit(self, kind: str, payload: Any, tenant: str | None = None, cost: int = 0) -> concurrent.futures.Future:
+        """Queue one job of ``tenant`` (``cost``: an ask's prompt tokens); its future gets the
+        Answer / AddResult, or the exception raised."""
         with self._cv:
             if self._stopping:
                 raise ServerStopping("the server is shutting down; retry on another instance or later")
             if self._size >= self.max_queue:
                 raise QueueFull(f"server busy: {self.max_queue} requests are already waiting for the model "
                                 "(--max-queue); retry later")
+            full = self.tenant_queue_full(tenant)
+            if full:
+                raise TenantQueueFull(full)
             mine = self._queues.get(tenant)
-            if mine is not None and len(mine) >= self.tenant_max_queued:
-                raise TenantQueueFull(f"too many requests of this tenant waiting for the model: the limit is "
-                                      f"{self.tenant_max_queued} (--tenant-max-queued); retry later")
-            job = _Job(kind, payload, concurrent.futures.Future(), tenant)
+            job = _Job(kind, payload, concurrent.futures.Future(), tenant, cost)
             if mine is None:
                 mine = self._queues[tenant] = collections.deque()
                 self._turns.append(tenant)
@@ -143,6 +159,15 @@ class ModelWorker:
             self._size += 1
             self._cv.notify()
         return job.future
+
+    def tenant_queue_full(self, tenant: str | None) -> str | None:
+        """Why a new job of ``tenant`` would be refused for its share of the queue, or None (the
+        server asks from a request's headers too, before reading its body)."""
+        with self._cv:
+            if len(self._queues.get(tenant, ())) < self.tenant_max_queued:
+                return None
+        return (f"too many requests of this tenant waiting for the model: the limit is {self.tenant_max_queued} "
+                "(--tenant-max-queued); retry later")
 
     def withdraw(self, future: concurrent.futures.Future, tenant: str | None = None) -> bool:
         """Take a job whose client went away out of the queue; False when it already runs (or ran)."""
@@ -162,15 +187,19 @@ class ModelWorker:
         return True
 
     # -- the thread
-    def _take(self, timeout: float | None) -> Any:
-        """The next job in round-robin order over tenants; None when none came within ``timeout``
-        seconds (None = wait for one); ``_STOP`` once stopping with nothing left to do."""
+    def _take(self, timeout: float | None, budget: float = math.inf, exclude: frozenset = frozenset()) -> Any:
+        """The next job in round-robin order over the tenants not in ``exclude``; None when none came
+        within ``timeout`` seconds (None = wait for one) or the next one costs more than ``budget``
+        (it stays first in line); ``_STOP`` once stopping with nothing left to do."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._size or self._stopping, timeout):
                 return None
             if not self._size:
                 return _STOP
-            tenant = self._turns.popleft()
+            tenant = next((t for t in self._turns if t not in exclude), _NOBODY)
+            if tenant is _NOBODY or self._queues[tenant][0].cost > budget:
+                return None
+            self._turns.remove(tenant)
             mine = self._queues[tenant]
             job = mine.popleft()
             self._size -= 1
@@ -185,20 +214,55 @@ class ModelWorker:
             first = self._take(None)
             if first is _STOP:
                 return
-            batch, stop = [first], False
-            deadline = time.perf_counter() + self.batching.window_ms / 1000.0
-            while len(batch) < self.batching.max_batch:
-                # what is already queued is taken at once; then wait out the window
-                job = self._take(max(0.0, deadline - time.perf_counter()))
-                if job is None:
-                    break
-                if job is _STOP:
-                    stop = True
-                    break
-                batch.append(job)
+            batch, stop = self._fill(first, self.batching.window_ms / 1000.0)
             self._process(batch)
             if stop:
                 return
+
+    def _fill(self, first: _Job, window_s: float, exclude: frozenset = frozenset()) -> tuple[list[_Job], bool]:
+        """The batch that starts with ``first``: what is already queued is taken at once, then what
+        arrives within ``window_s``, up to ``max_batch`` jobs and ``max_batch_tokens`` prompt
+        tokens; and whether the worker is stopping."""
+        batch = [first]
+        budget = (self.batching.max_batch_tokens or math.inf) - first.cost
+        deadline = time.perf_counter() + window_s
+        while len(batch) < self.batching.max_batch:
+            job = self._take(max(0.0, deadline - time.perf_counter()), budget, exclude)
+            if job is None:
+                break
+            if job is _STOP:
+                return batch, True
+            batch.append(job)
+            budget -= job.cost
+        return batch, False
+
+    def _gate(self, tenants: frozenset) -> Callable[[], None] | None:
+        """The step gate of a batch of ``tenants``' asks (``generation.step_gate``): past
+        ``slice_ms``, each call runs one batch of the other tenants' waiting jobs, if any."""
+        if self.batching.slice_ms is None or self._nested:
+            return None
+        preemptible = getattr(self.live, "preemptible", None)
+        if preemptible is None:  # a memory that does not say its model state survives nested work
+            return None
+        start = time.perf_counter() + self.batching.slice_ms / 1000.0
+
+        def gate() -> None:
+            if time.perf_counter() < start or not preemptible():
+                return
+            first = self._take(0.0, exclude=tenants)
+            if first is None or first is _STOP:  # stopping: the loop sees _STOP again once the queue is empty
+                return
+            batch, _ = self._fill(first, 0.0, tenants)  # no window: the interrupted batch is waiting
+            self._nested, t0 = True, time.perf_counter()
+            try:
+                self._process(batch)
+            finally:
+                self._nested = False
+                self._nested_s += time.perf_counter() - t0
+            with self._lock:
+                self.preemptions += 1
+
+        return gate
 
     def _process(self, batch: list[_Job]) -> None:
         # The adds of a batch first (in arrival order, one append), then its asks (one forward).
@@ -214,7 +278,7 @@ class ModelWorker:
             now = time.perf_counter()
             with self._lock:
                 self.queue_wait.extend(now - job.enqueued for job in run)
-            t0 = time.perf_counter()
+            t0, nested0 = time.perf_counter(), self._nested_s
             try:
                 {"ask": self._asks, "add": self._adds, "forget": self._forgets}[run[0].kind](run)
             except BaseException as e:  # never leave a waiter hanging, whatever happened
@@ -224,7 +288,7 @@ class ModelWorker:
                         job.future.set_exception(e)
             finally:
                 with self._lock:
-                    self.busy_s += time.perf_counter() - t0
+                    self.busy_s += time.perf_counter() - t0 - (self._nested_s - nested0)
 
     @staticmethod
     def _each(call: Callable[[list], list], payloads: list) -> list[tuple[Any, BaseException | None]]:
@@ -251,7 +315,10 @@ class ModelWorker:
         live_jobs = [job for job in run if job.future.set_running_or_notify_cancel()]
         if not live_jobs:
             return
-        results = self._each(self.live.ask_many, [job.payload for job in live_jobs])
+        from elasticmem.model.generation import step_gate
+
+        with step_gate(self._gate(frozenset(job.tenant for job in live_jobs)), self.batching.prefill_chunk):
+            results = self._each(self.live.ask_many, [job.payload for job in live_jobs])
         with self._lock:
             self.ask_batches += 1
             self.ask_batch_sizes[len(live_jobs)] += 1
@@ -341,6 +408,7 @@ class ModelWorker:
                 "memories_forgotten": self.memories_forgotten,
                 "forget_errors": self.forget_errors,
                 "withdrawn": self.withdrawn,
+                "preemptions": self.preemptions,
                 "queue_depth": self.queued(),
                 "queue_wait_s": percentiles(self.queue_wait),
                 "worker_busy_s": round(self.busy_s, 3),

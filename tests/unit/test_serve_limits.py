@@ -6,7 +6,8 @@ file takes seconds; the quota tests use the real LiveMemory on the tiny random m
 
 Covers every ``Limits`` field with its status code and message (body bytes, body deadline, turns,
 question, options, messages, prompt tokens after templating, answer tokens, queue, a tenant's
-queued requests and requests in flight with Retry-After, memory quotas in rows and bytes), the API
+queued requests (refused from the headers once its share is full) and requests in flight with
+Retry-After, memory quotas in rows and bytes), the API
 key checked before the body is read, /openapi.json and /docs behind the key, lone surrogates
 (4xx, not 500), a client that leaves (its job dropped from the queue and counted in /metrics as 499,
 not 500), one poisoned request in a batch of 8, shutdown (503), the tenants taken in turn, a memory
@@ -298,14 +299,29 @@ async def _call(app, method: str, path: str, headers: dict[str, str], receive):
     return (start["status"] if start else None), dict(start["headers"]) if start else {}, body
 
 
+def _body_never_sent():
+    """A receive() whose body never arrives, and the list it appends to each time it is awaited."""
+    reads: list[int] = []
+
+    async def receive():
+        reads.append(1)
+        await asyncio.sleep(3600)
+
+    return reads, receive
+
+
+async def _refused_unread(app, method: str, path: str, receive, flag: str) -> None:
+    """Tenant a's request is answered 429 with Retry-After, naming ``flag``, from its headers alone."""
+    status, hdrs, body = await asyncio.wait_for(
+        _call(app, method, path, {"Authorization": f"Bearer {KEY_A}"}, receive), WAIT_S)
+    assert status == 429 and int(hdrs[b"retry-after"]) >= 1, (method, path, status)
+    assert flag in json.loads(body)["error"]["message"]
+
+
 def test_the_key_and_the_tenants_requests_in_flight_are_checked_before_the_body_is_read():
     mem = RuleMemory()
     app = make_app(mem, tenant_max_in_flight=1)
-    reads = []
-
-    async def never_sends_a_body():
-        reads.append(1)
-        await asyncio.sleep(3600)
+    reads, never_sends_a_body = _body_never_sent()
 
     async def main():
         async with served(app) as s:
@@ -318,16 +334,40 @@ def test_the_key_and_the_tenants_requests_in_flight_are_checked_before_the_body_
                 assert hdrs[b"www-authenticate"] == b"Bearer"
             # tenant a has one request in flight (held by the busy worker): the next is refused unread
             held = await hold(s, mem)
-            status, hdrs, body = await asyncio.wait_for(_call(
-                app, "POST", "/v1/ask", {"Authorization": f"Bearer {KEY_A}"}, never_sends_a_body), WAIT_S)
-            assert status == 429 and int(hdrs[b"retry-after"]) >= 1
-            assert "--tenant-max-in-flight" in json.loads(body)["error"]["message"]
+            await _refused_unread(app, "POST", "/v1/ask", never_sends_a_body, "--tenant-max-in-flight")
             assert reads == []  # no body was read for any refused request
             other = asyncio.ensure_future(s.b.post("/v1/ask", json=ask("b/x")))  # b has its own count
             await until(lambda: s.worker.queued("b") == 1)
             mem.gate.set()
             assert (await held).status_code == 200 and (await other).status_code == 200
             assert app.state.in_flight.counts == {}  # every slot given back
+
+    run(main())
+
+
+def test_a_tenant_with_its_queue_full_is_refused_before_its_body_is_read():
+    """Its share of the queue plus one batch being computed: a further model request of the tenant
+    is refused from its headers (a flood's refusals are not tokenized), another tenant's is not."""
+    from elasticmem.serve import Batching
+
+    mem = RuleMemory()
+    app = make_app(mem, tenant_max_queued=2, batching=Batching(max_batch=1, window_ms=0.0))
+    reads, never_sends_a_body = _body_never_sent()
+
+    async def main():
+        async with served(app) as s:
+            held = await hold(s, mem)
+            mine = [asyncio.ensure_future(s.a.post("/v1/ask", json=ask(question=f"a{i}"))) for i in range(2)]
+            await until(lambda: s.worker.queued("a") == 2)
+            for method, path in (("POST", "/v1/ask"), ("POST", "/v1/memory/a/x"), ("DELETE", "/v1/memory/a/x")):
+                await _refused_unread(app, method, path, never_sends_a_body, "--tenant-max-queued")
+            assert reads == []
+            assert (await s.a.get("/v1/memory/a/x")).status_code != 429  # reading needs no model work
+            other = asyncio.ensure_future(s.b.post("/v1/ask", json=ask("b/x", question="b0")))
+            await until(lambda: s.worker.queued("b") == 1)
+            mem.gate.set()
+            assert all(x.status_code == 200 for x in await asyncio.gather(held, other, *mine))
+        assert app.state.in_flight.counts == {}
 
     run(main())
 
@@ -655,15 +695,18 @@ def test_memory_quotas_in_rows_and_bytes_refuse_adds_with_507(tiny_live):
 
 def test_every_limit_is_a_flag_with_a_docstring():
     from elasticmem.serve import Limits
-    from elasticmem.serve.cli import _limit_flags, _parser
+    from elasticmem.serve.cli import OPTIONS, parse_args
+    from elasticmem.utils.configuration import field_docs
+    from elasticmem.utils.options import option_keys
 
-    flags = _limit_flags()
-    assert [f[0] for f in flags] == list(Limits.__dataclass_fields__)
-    assert all(len(doc) > 20 for *_, doc in flags)
-    args = _parser().parse_args(["--bank", "x", "--tenant-max-rows", "none", "--max-prompt-tokens", "77",
-                                 "--body-timeout-s", "2.5", "--max-new-tokens-limit", "9"])
-    lim = Limits(**{name: getattr(args, name) for name, *_ in flags})
-    assert lim == replace(Limits(), tenant_max_rows=None, max_prompt_tokens=77, body_timeout_s=2.5, max_new_tokens=9)
+    flags = {k.removeprefix("serve.limits."): f for k, f in option_keys(OPTIONS).items()
+             if k.startswith("serve.limits.")}
+    assert list(flags) == list(Limits.__dataclass_fields__)
+    assert all(len(doc) > 20 for doc in field_docs(Limits).values()) and set(field_docs(Limits)) == set(flags)
+    opts, _ = parse_args(["--bank", "x", "--tenant-max-rows", "none", "--max-prompt-tokens", "77",
+                          "--body-timeout-s", "2.5", "--max-new-tokens-limit", "9"])
+    assert opts.limits == replace(Limits(), tenant_max_rows=None, max_prompt_tokens=77, body_timeout_s=2.5,
+                                  max_new_tokens=9)
 
 
 def test_delete_forgets_for_the_owner_only_and_frees_its_quota(tiny_live):

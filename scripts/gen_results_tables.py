@@ -19,10 +19,12 @@ with extra format prefixes: ``pct`` multiplies by 100 and ``npct`` by -100 (a fr
 or the difference the other way round), e.g. ``{paired[x][difference]:npct+.1f}``, and ``ms`` by
 1000 (seconds as milliseconds); and the format ``met`` writes a boolean acceptance as ``met`` or
 ``**missed**`` (``{acceptance[append_ratio][met]:met}``), so that a verdict follows its numbers.
+A numeric key of a JSON object reads as the string it is (``{refused[429]}``).
 """
 
 from __future__ import annotations
 
+import _string
 import argparse
 import json
 import re
@@ -44,6 +46,19 @@ def published_files() -> list[Path]:
 
 
 class _Formatter(string.Formatter):
+    def get_field(self, field_name, args, kwargs):
+        # str.format reads ``[429]`` as the integer 429; a JSON object's keys are strings
+        first, rest = _string.formatter_field_name_split(field_name)
+        obj = self.get_value(first, args, kwargs)
+        for is_attr, key in rest:
+            if is_attr:
+                obj = getattr(obj, key)
+            elif isinstance(obj, dict) and key not in obj and str(key) in obj:
+                obj = obj[str(key)]
+            else:
+                obj = obj[key]
+        return obj, first
+
     def format_field(self, value, format_spec):
         if format_spec == "met":
             if not isinstance(value, bool):

@@ -121,9 +121,10 @@ def test_formatter_scales_and_negates():
 
 def test_formatter_writes_milliseconds_and_verdicts():
     spec = {"command": "c", "commit": "x", "provenance": "p",
-            "data": {"s": 0.01966, "acc": {"a": {"met": True}, "b": {"met": False}}},
-            "table": {"header": ["t", "a", "b"], "rows": [["{s:ms.1f} ms", "{acc[a][met]:met}", "{acc[b][met]:met}"]]}}
-    assert gen_results.render(spec) == "| t | a | b |\n|---|---|---|\n| 19.7 ms | met | **missed** |\n"
+            "data": {"s": 0.01966, "acc": {"a": {"met": True}, "b": {"met": False}}, "by": {"429": 7}, "xs": [3, 4]},
+            "table": {"header": ["t", "a", "b", "c"], "rows": [["{s:ms.1f} ms", "{acc[a][met]:met}", "{acc[b][met]:met}",
+                                                             "{by[429]} {xs[1]}"]]}}
+    assert gen_results.render(spec) == "| t | a | b | c |\n|---|---|---|---|\n| 19.7 ms | met | **missed** | 7 4 |\n"
     spec["data"]["acc"]["a"]["met"] = 1.0  # a number is not a verdict
     with pytest.raises(ValueError, match="takes a boolean"):
         gen_results.render(spec)

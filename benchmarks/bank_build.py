@@ -23,6 +23,10 @@ exact ``torch`` search (latency ratio, recall@k against it).
 A summary table is printed at the end; ``--out PATH`` also writes it as JSON
 (rewritten after each section, so a partial run leaves its results).
 
+Why one file (about 1,000 lines): one command, one JSON that one README section reads; its three
+parts share the contention guard (``wait_quiet``, ``ShareMeter``), the corpus and the summary table.
+What every benchmark shares is in ``_bench.py``.
+
 Method and results: benchmarks/README.md, section ``bank_build.py``.
 """
 

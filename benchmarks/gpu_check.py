@@ -52,6 +52,9 @@ environment, the preflight, each stage's status (ok / failed / timeout / skipped
 tail and figures, the test outcomes, and the path of each benchmark's full JSON (kept with the
 logs in ``<out without .json>/``). docs/cluster.md says how to read it.
 
+Why one file (about 650 lines): each stage's entry in its child process and the parent that runs,
+times and reports them are one command, meant to run on a bare GPU machine as one script.
+
 Summary: benchmarks/README.md, section ``gpu_check.py``.
 """
 
@@ -67,7 +70,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
-from _bench import REPO, log as _log  # noqa: E402
+from _bench import REPO, free_port, log as _log  # noqa: E402
 
 ROLLOUT_GOAL = 10.0
 ACTIVATION_GOAL = 0.5  # peak growth with checkpointing / without (issue 39's acceptance)
@@ -179,12 +181,6 @@ def _task(args: argparse.Namespace, work: Path):
     return cfg, over
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stage_deepspeed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """A few GRPO steps under DeepSpeed ZeRO-2 in bf16 with gradient checkpointing, launched as users do."""
     import yaml
@@ -206,7 +202,7 @@ def stage_deepspeed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         env["CUDA_VISIBLE_DEVICES"] = visible[n] if n < len(visible) else str(n)
         over = [o if not o.startswith("backbone.device=") else "backbone.device=cuda" for o in over]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_cfg),
-           "--main_process_port", str(_free_port()), "train.py", "--config", "configs/tiny.yaml", *over,
+           "--main_process_port", str(free_port()), "train.py", "--config", "configs/tiny.yaml", *over,
            f"train.output_dir={out}", f"train.max_steps={steps}", "train.batch_size=4", "train.group_size=4",
            "train.micro_batch_size=8", "train.eval_split=", "train.save_every=0", "train.resume=false",
            "train.gradient_checkpointing=true", "train.mixed_precision=bf16"]

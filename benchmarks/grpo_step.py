@@ -17,6 +17,9 @@ seconds per step (the first step dropped), split into rollout / score / backward
 
 and the ratio ours (text-equiv) / TRL (``--goal``, 1.0 by default). ``--out`` writes it all as JSON.
 
+Why one file (about 700 lines): TRL's steps and ours are set up here from the same model, bank,
+batches and device, in one process, so that their ratio compares the same work.
+
 Method and results: benchmarks/README.md, section ``grpo_step.py``.
 """
 

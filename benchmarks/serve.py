@@ -36,32 +36,37 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
-from _bench import REPO, write_json  # noqa: E402
+from _bench import REPO, free_port, write_json  # noqa: E402
 
 LOCOMO = REPO.parent / "shared" / "data" / "locomo10.json"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so that each ``finally: srv.stop()`` stops its server.
+
+    By default the signal (``timeout``, ``kill``, a scheduler) ends the benchmark at once and the
+    server child lives on, holding its port and a core that the next measurement then shares.
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 class ServerProcess:
-    """``python -m elasticmem.serve`` in a child process, its output in a log file."""
+    """``python -m elasticmem.serve`` in a child process, its output in a log file; stopped on SIGTERM too."""
 
     def __init__(self, args: argparse.Namespace, bank: Path, system: str, batching: bool, log: Path,
                  extra: list[str] | tuple[str, ...] = ()) -> None:
-        self.port = _free_port()
+        _exit_on_sigterm()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "elasticmem.serve", "--config", args.config, "--bank", str(bank),

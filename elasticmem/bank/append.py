@@ -1,5 +1,9 @@
 """Grow a bank while it is read: encode new sessions of some groups and append them.
 
+Why one file (about 650 lines): appending, compaction and forgetting's purge write the same on-disk
+records under the same folder lock and crash rules (new names, fsync, a journal record as the
+commit, garbage collected later); kept together, those rules are written and checked once.
+
 An append encodes the new chunks exactly as a build does (``encode_shard``: the frozen encoder,
 the bank's own tokenization, key variant, content layer, cache length and dtype), then
 

@@ -9,15 +9,18 @@ every level and of b answered, latency percentiles ordered (p50 <= p95 <= p99), 
 requests adding up (sent = answered + refused + unfinished, some of them admitted, some refused
 with 429 and some with 413), and the append and compaction figures positive, with the acceptance ratios computed from
 them. It checks the benchmark reports, not the acceptance figures (which a loaded 2-core machine
-cannot promise). Skips, saying why, without the ``serve`` extra, like tests/integration/test_serve.py.
+cannot promise). A second test terminates the benchmark (SIGTERM) and checks that its server child
+stops with it. Skips, saying why, without the ``serve`` extra, like tests/integration/test_serve.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -76,3 +79,57 @@ def test_serve_abuse_benchmark_smallest_scale(tmp_path):
     assert co["compaction_per_kept"] == co["bytes_compaction"] / co["bytes_kept"] >= 0
     assert set(d["acceptance"]) == {"flood_p95_ratio", "append_ratio", "compaction_per_kept"}
     assert "| clients | requests | req/s |" in r.stdout and "tenant a:" in r.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
+def test_a_terminated_benchmark_stops_its_server(tmp_path):
+    """SIGTERM (``timeout``, ``kill``) to the benchmark stops its server child too, not only the benchmark."""
+    require_serve_extra()
+    cmd = [sys.executable, "benchmarks/serve_abuse.py", "--config", "configs/tiny.yaml", "--scenario", "load",
+           "--clients", "1", "--requests", "100000", "--workdir", str(tmp_path / "work"),
+           "--out", str(tmp_path / "bench.json"), "backbone.tiny.char_fallback=true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    bench = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not servers and bench.poll() is None and time.monotonic() < deadline:
+            servers = _children(bench.pid)
+            time.sleep(0.2)
+        assert servers, "the benchmark started no server"
+        time.sleep(1.0)
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(90)
+        deadline = time.monotonic() + 30
+        while any(map(_alive, servers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, servers)), "the server outlived its terminated benchmark"
+    finally:
+        for pid in [bench.pid, *servers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        bench.wait()

@@ -28,8 +28,9 @@ def _session(i: int) -> list[dict]:
             {"role": "assistant", "content": f"the {WORDS[i % 14]} {i}"}]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def live(tmp_path_factory):
+    """A LiveMemory over a new empty bank for each test, so that each test holds in any order or alone."""
     torch.manual_seed(0)
     return LiveMemory.load(bank=tmp_path_factory.mktemp("live") / "bank", overrides=OVERRIDES, batch_size=4)
 
@@ -58,7 +59,7 @@ def test_add_then_ask_retrieves_only_the_groups_memories(live):
 
 
 def test_batched_asks_equal_one_at_a_time(live):
-    live.add_many([("alice", _session(4)), ("bob", _session(5))])
+    live.add_many([("alice" if i % 2 == 0 else "bob", _session(i)) for i in range(6)])  # 3 memories each
     reqs = [AskRequest(g, q, c, n) for g, q, c, n in [
         ("alice", "what is the cat?", None, None), ("bob", "where is the box?", None, 2),
         ("alice", "which one?", ["sun", "hat", "key"], 1), ("bob", "what is the cat?", None, None),
@@ -87,6 +88,7 @@ def test_bad_input_is_refused_clearly(live):
 
 
 def test_a_second_reader_sees_adds_after_refresh_and_checkpoints_load(live, tmp_path):
+    live.add("alice", _session(0))
     other = LiveMemory.load(bank=live.bank.root, overrides=OVERRIDES)
     snapshot = other.bank
     added = live.add("carol", _session(7))
@@ -120,6 +122,7 @@ def test_a_second_reader_sees_adds_after_refresh_and_checkpoints_load(live, tmp_
 def test_forget_a_memory_a_session_and_a_group(live):
     from elasticmem.bank.forget import MemoryNotFound
 
+    live.add("alice", _session(0))
     other = LiveMemory.load(bank=live.bank.root, overrides=OVERRIDES)  # a second process's view
     adds = [live.add("erin", _session(20 + i)) for i in range(4)]  # sessions 0-3, one memory each
     rows = [a.rows[0] for a in adds]

@@ -1,6 +1,6 @@
 """Every setting of elasticmem, as dataclasses with one docstring per field.
 
-Why one file: it is the one place every setting and its documentation are written (``--help``,
+Why one file (about 1,200 lines): it is the one place every setting and its documentation are written (``--help``,
 ``scripts/gen_config_docs.py`` and docs/configuration.md read it), and ``Config`` nests every section.
 
 YAML files in ``configs/`` are presets over these defaults; any key can be

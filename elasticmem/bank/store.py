@@ -1,6 +1,6 @@
 """Open a built bank: manifest, memory-mapped shards, chunk texts.
 
-Why one file: the manifest, its journal and the ``Bank`` that replays them are one on-disk
+Why one file (about 660 lines): the manifest, its journal and the ``Bank`` that replays them are one on-disk
 format and one commit protocol; readers and writers must agree on every line of it.
 
 Shards are safetensors files read through ``safe_open``, which maps them: a

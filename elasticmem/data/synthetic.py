@@ -1,6 +1,6 @@
 """A synthetic multi-session memory task, deterministic by seed, no download.
 
-Why one file: about half of it is the task's tables (the persona categories with their value
+Why one file (about 680 lines): about half of it is the task's tables (the persona categories with their value
 pools and templates, the tiny variant's words), which only make sense beside the generator that reads them.
 
 Two variants share one config (``SyntheticConfig``) and one output format

@@ -1,10 +1,11 @@
 """LLM backends and the wrapper that turns their outputs into validated JSON.
 
+Why one file (about 750 lines): both backends implement the one protocol that ``StructuredLLM``
+wraps and share its statistics; the local backend's constrained decoding is the bulk (a candidate
+for its own module).
+
 Shared by the text-memory baselines (A-Mem, Mem0-style text memory), the agent's skill cards and
 the local OpenAI-compatible server (``elasticmem.baselines.openai_server``).
-
-Why one file: both backends implement the one protocol that ``StructuredLLM`` wraps and share its
-statistics; the local backend's constrained decoding is the bulk (a candidate for its own module).
 
 Backends implement ``generate(requests, temperature, seed) -> [Completion]`` for a batch of
 chat requests, plus token counting:

@@ -1,9 +1,9 @@
 """The ElasticMem model: one ``nn.Module`` holding the LoRA reasoner, budget policy and projector.
 
-Its records are in ``trajectories.py``, the prompt's text in ``prompt.py``, generation and token
-log-probabilities in ``generation.py``; this file is the module whose state every step of a
-trajectory reads (the LoRA reasoner and its adapter switch, the bank, the policy and projector).
-Why it is over 600 lines: its methods are the trajectory's steps, and each reads that same state.
+Why one file (about 880 lines): its methods are the trajectory's steps, and each reads the same
+state (the LoRA reasoner and its adapter switch, the bank, the policy and projector). Its records
+are in ``trajectories.py``, the prompt's text in ``prompt.py``, generation and token
+log-probabilities in ``generation.py``.
 
 A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
 

@@ -81,27 +81,25 @@ def test_serve_abuse_benchmark_smallest_scale(tmp_path):
     assert "| clients | requests | req/s |" in r.stdout and "tenant a:" in r.stdout
 
 
-def _children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is ``pid``, from /proc."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # after "pid (comm)"
+    except (OSError, ValueError):
+        return None
+    return state, int(ppid)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``."""
+    stats = {int(e): _stat(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    return [p for p, st in stats.items() if st is not None and st[1] == pid and st[0] != "Z"]
 
 
 @pytest.mark.slow

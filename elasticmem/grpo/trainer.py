@@ -55,6 +55,7 @@ from elasticmem.grpo.loss import (
 from elasticmem.grpo.metrics import LossLog, step_metrics
 from elasticmem.grpo.rollouts import load_rollout, sample_rollouts, save_rollout, token_cost
 from elasticmem.grpo.run import Run, eval_examples, setup
+from elasticmem.grpo.trackers import close_trackers
 from elasticmem.training.runtime import RetrievalTargets, StopFlag, append_jsonl, greedy_eval
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.configuration import save as save_config
@@ -316,6 +317,7 @@ def finish(run: Run, history: list[dict[str, Any]]) -> dict[str, Any]:
     # always: it also destroys the process group, whose threads otherwise can abort a rank at exit
     # ("terminate called without an active exception", about 1 launch in 6 on 2 CPU processes)
     run.acc.end_training()
+    close_trackers(run.cfg.train.trackers)
     return result
 
 

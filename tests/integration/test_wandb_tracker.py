@@ -12,6 +12,7 @@ protobuf); wandb 0.31 writes no wandb-summary.json offline and has no reader for
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -51,6 +52,20 @@ def _records(path: Path) -> list:
     return out
 
 
+def _children() -> list[str]:
+    """Names of this process's child processes (Linux /proc)."""
+    names = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited while listed
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == os.getpid():
+            names.append(name)
+    return names
+
+
 def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
@@ -86,6 +101,9 @@ def test_wandb_tracker_logs_the_metrics_offline(tiny_setup, tmp_path, monkeypatc
         monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     cfg = _cfg(tiny_setup, out, "train.max_steps=2", "train.eval_split=", "train.trackers=[wandb]")
     trainer.train(cfg)
+    # wandb's writer has exited, so the run file is whole: Run.finish alone returns before its
+    # service process flushes it (CI once read a run file that failed to parse)
+    assert not [n for n in _children() if n.startswith("wandb")], _children()
     history, config = _offline_run(tmp_path / "wb" if mode == "WANDB_MODE=offline" else out)
     rows = _metrics(out)
     assert sorted(history) == [r["step"] for r in rows] == [1, 2]

@@ -21,7 +21,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 from serve_support import require_serve_extra
 
 try:
@@ -63,12 +62,6 @@ class Server:
         return self.log.read_text(errors="replace")[-4000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
@@ -79,7 +72,7 @@ def _start(d: Path) -> Server:
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "groups": ["a/*"]},
                                 KEY_B: {"tenant": "b", "groups": ["b/*"]},
                                 KEY_SHARED: {"tenant": "c", "groups": ["a/shared", "c/*"]}}))
-    port = _free_port()
+    port = free_port()
     # The tiny random model (configs/tiny.yaml) with its character fallback on, so that any text
     # tokenizes; Z = 2 memories per question and 3 generated tokens; the bank folder does not exist yet.
     cmd = [sys.executable, "-m", "elasticmem.serve", "--config", "configs/tiny.yaml", "--bank", str(d / "bank"),

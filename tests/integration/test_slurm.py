@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, free_port
 from test_build_bank_cli import assert_same_bank_files
 from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
 from test_train_distributed import LAUNCH_2, _assert_same_rows
@@ -49,12 +49,6 @@ STEPS = 20
 MEM = "--mem=1G"
 TRAIN = (f"train.max_steps={STEPS}", "train.save_every=5", "train.eval_split=", "train.group_size=4",
          "train.warmup_steps=0", "memory.top_z=2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _why_not() -> str | None:
@@ -131,8 +125,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -185,7 +179,7 @@ def _sbatch_train(c: Cluster, root: Path, out: Path, *extra: str, wait: bool = T
     args = ["sbatch", "--parsable", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}", MEM,
             f"--output={out}.slurm.out", "slurm/train.sbatch", "configs/tiny.yaml", f"data.dir={root}/data",
             f"bank.dir={root}/bank", f"train.output_dir={out}", *TRAIN, *extra]
-    env = {**_env(), "SLURM_CONF": c.env["SLURM_CONF"], "GPUS_PER_NODE": "2", "MAIN_PORT": str(_free_port())}
+    env = {**_env(), "SLURM_CONF": c.env["SLURM_CONF"], "GPUS_PER_NODE": "2", "MAIN_PORT": str(free_port())}
     job = c.run(*args, env=env).stdout.strip().split(";")[0]
     if wait:
         state = c.wait_gone(job)

@@ -11,7 +11,6 @@ per-process singleton) and the timeout read back from the group's backend.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from elasticmem.utils.distributed import process_group_kwargs
 
@@ -30,17 +30,11 @@ print("TIMEOUT", backend.options._timeout.total_seconds(), dist.get_backend())
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group_timeout(code: str, tmp_path: Path) -> float:
     """Run ``code`` as rank 0 of a one-process CPU launch (the environment accelerate launch sets);
     the timeout of the process group it created, in seconds (gloo, as on CPU nodes)."""
     env = dict(os.environ, LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+               MASTER_PORT=str(free_port()), ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + READ_TIMEOUT], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-3000:]

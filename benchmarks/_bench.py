@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,6 @@ def log(msg: str) -> None:
     """Progress and tables on stdout, flushed: a stage log of gpu_check.py keeps them in order
     with what the libraries print."""
     print(msg, flush=True)
-
-
-def free_port() -> int:
-    """A loopback TCP port free now (the OS picks it), for a server the benchmark starts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def med(xs: Sequence[float]) -> float:

@@ -79,7 +79,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
-from _bench import REPO, free_port, log as _log  # noqa: E402
+from _bench import REPO, log as _log  # noqa: E402
+
+from elasticmem.utils.common import free_port  # noqa: E402
 
 ROLLOUT_GOAL = 10.0
 ACTIVATION_GOAL = 0.5  # peak growth with checkpointing / without (issue 39's acceptance)

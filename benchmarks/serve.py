@@ -45,7 +45,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
-from _bench import REPO, free_port, write_json  # noqa: E402
+from _bench import REPO, write_json  # noqa: E402
+
+from elasticmem.utils.common import free_port  # noqa: E402
 
 LOCOMO = REPO.parent / "shared" / "data" / "locomo10.json"
 

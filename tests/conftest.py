@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -29,11 +28,21 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(name, state, parent pid) of a process from Linux's /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return name, rest[0], int(rest[1])
+
+
+def live_children(pid: int) -> dict[int, str]:
+    """{pid: name} of the live (not zombie) processes whose parent is ``pid``."""
+    stats = {int(e): proc_stat(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    return {p: st[0] for p, st in stats.items() if st is not None and st[2] == pid and st[1] != "Z"}
 
 
 @pytest.fixture(scope="session")

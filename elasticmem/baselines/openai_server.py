@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from typing import Any
 
 from elasticmem.llm.client import GenRequest, TransformersBackend
 from elasticmem.llm.structured import Arr, Enum, Obj, from_json_schema
+from elasticmem.utils.common import free_port
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -225,12 +225,6 @@ def create_app(endpoint: ChatEndpoint):
         return {"status": "ok", "model": endpoint.name}
 
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import netrc
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -85,8 +86,6 @@ def close_trackers(trackers: list[str]) -> None:
     or copied as soon as training returns is whole. It would run at interpreter exit anyway, which a
     job killed after training, or a caller that goes on in the same process, does not reach.
     """
-    import sys
-
     if "wandb" in trackers and "wandb" in sys.modules:
         import wandb
 

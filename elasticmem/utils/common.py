@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 from pathlib import Path
 
 
@@ -10,6 +11,14 @@ def require(ok: bool, message: str) -> None:
     """Raise ``ValueError(message)`` unless ``ok``: config validation reads as a list of rules."""
     if not ok:
         raise ValueError(message)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the OS picks it), for a server or a
+    process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def sha256_file(path: str | Path, bufsize: int = 1 << 22) -> str:

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT
 from serve_support import require_serve_extra
+
+from elasticmem.utils.common import free_port
 
 try:
     import httpx

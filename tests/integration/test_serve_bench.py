@@ -23,7 +23,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, live_children, proc_stat
 from serve_support import require_serve_extra
 
 
@@ -81,25 +81,9 @@ def test_serve_abuse_benchmark_smallest_scale(tmp_path):
     assert "| clients | requests | req/s |" in r.stdout and "tenant a:" in r.stdout
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process from /proc, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # after "pid (comm)"
-    except (OSError, ValueError):
-        return None
-    return state, int(ppid)
-
-
 def _alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is ``pid``."""
-    stats = {int(e): _stat(int(e)) for e in os.listdir("/proc") if e.isdigit()}
-    return [p for p, st in stats.items() if st is not None and st[1] == pid and st[0] != "Z"]
+    st = proc_stat(pid)
+    return st is not None and st[1] != "Z"
 
 
 @pytest.mark.slow
@@ -116,7 +100,7 @@ def test_a_terminated_benchmark_stops_its_server(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not servers and bench.poll() is None and time.monotonic() < deadline:
-            servers = _children(bench.pid)
+            servers = list(live_children(bench.pid))
             time.sleep(0.2)
         assert servers, "the benchmark started no server"
         time.sleep(1.0)

@@ -35,12 +35,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT
 from test_build_bank_cli import assert_same_bank_files
 from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
 from test_train_distributed import LAUNCH_2, _assert_same_rows
 
 from elasticmem.utils import checkpointing as ckpt
+from elasticmem.utils.common import free_port
 
 TOOLS = ("sbatch", "scancel", "squeue", "sinfo", "slurmctld", "slurmd", "munged", "munge")
 # 20 short steps (~2.5 s on 2 cores): room for a signal sent after the first to land mid-run

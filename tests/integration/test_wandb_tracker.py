@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import live_children
 from test_train import _cfg, _metrics, tiny_setup  # noqa: F401  (fixture)
 
 from elasticmem.grpo.trackers import tracker_init_kwargs, wandb_logged_in
@@ -50,20 +51,6 @@ def _records(path: Path) -> list:
         else:
             buf = chunk if kind == _FIRST else buf + chunk
     return out
-
-
-def _children() -> list[str]:
-    """Names of this process's child processes (Linux /proc)."""
-    names = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # exited while listed
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == os.getpid():
-            names.append(name)
-    return names
 
 
 def _key(item) -> str:
@@ -103,7 +90,7 @@ def test_wandb_tracker_logs_the_metrics_offline(tiny_setup, tmp_path, monkeypatc
     trainer.train(cfg)
     # wandb's writer has exited, so the run file is whole: Run.finish alone returns before its
     # service process flushes it (CI once read a run file that failed to parse)
-    assert not [n for n in _children() if n.startswith("wandb")], _children()
+    assert not [n for n in live_children(os.getpid()).values() if n.startswith("wandb")], live_children(os.getpid())
     history, config = _offline_run(tmp_path / "wb" if mode == "WANDB_MODE=offline" else out)
     rows = _metrics(out)
     assert sorted(history) == [r["step"] for r in rows] == [1, 2]

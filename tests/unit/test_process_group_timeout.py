@@ -18,8 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
+from elasticmem.utils.common import free_port
 from elasticmem.utils.distributed import process_group_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -67,18 +67,17 @@ from elasticmem.bank.builder import (
     prompt_key_ids,
 )
 from elasticmem.bank.kv import kv_spec, rotary_module
-from elasticmem.bank.store import (
+from elasticmem.bank.manifest import (
     APPEND_FORMAT_VERSION,
     CHUNKS,
     GROUPS_SHA256,
     MANIFEST,
-    Bank,
     BankError,
     apply_record,
     forgotten_record,
     journal_line,
-    shard_name,
 )
+from elasticmem.bank.store import Bank, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, tokenize_chunks
 from elasticmem.data.schema import Turn

@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 from elasticmem.bank.encoding import (KEY_VARIANTS, PAPER_KEY, encode_batch, key_spec, key_states, pool_key,
                                       prompt_key_ids)
 from elasticmem.bank.kv import kv_spec, rotary_module
-from elasticmem.bank.store import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, Bank, BankError, shard_name
+from elasticmem.bank.manifest import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, BankError
+from elasticmem.bank.store import Bank, shard_name
 from elasticmem.config import BankConfig, ChunkingConfig
 from elasticmem.data.chunking import Chunk, chunk_history, chunks_fingerprint, history_fingerprint, tokenize_chunks
 from elasticmem.data.schema import Example, SchemaError

@@ -4,7 +4,7 @@ compaction, no file of the bank holds a byte of their text or cached states.
 A delete is committed like an append (``elasticmem.bank.append``): one checksummed ``delete``
 record in the manifest's journal, fsynced, under the folder's lock. The record names the deleted
 rows and carries each touched group's new row segments and ``groups_sha256`` (of the survivors'
-texts), so readers apply it without reading any chunk (``store.apply_record``). A crash before
+texts), so readers apply it without reading any chunk (``manifest.apply_record``). A crash before
 the record is whole leaves the bank as before (a torn record is ignored, then cut off by the next
 writer); after it, the whole delete holds. From the commit on, the rows are in no group: every
 search restricted to a group skips them, in this process at once and in another after its
@@ -14,7 +14,7 @@ Rows keep their numbers: a survivor's row id (what ``LiveMemory.chunks`` lists, 
 returns) never changes, and a deleted row's number is never given to another memory. The data
 leaves the disk at compaction (``append.compact``): every shard holding a deleted row is rewritten
 with that row's keys, caches and per-layer KV zeroed, and its chunk line replaced by
-``store.forgotten_record`` (``{"row", "deleted": true}``, no text, no group); the replaced files
+``manifest.forgotten_record`` (``{"row", "deleted": true}``, no text, no group); the replaced files
 are unlinked at once, not after ``append.GRACE_S``, and a saved FAISS index (it holds keys) is
 removed, to be rebuilt. The journal holds no chunk text (only row numbers, group names and
 hashes), so it needs no rewriting. ``forget_rows(..., purge=True)`` does both in one call.
@@ -32,7 +32,8 @@ from typing import Iterable
 
 from elasticmem.bank.append import _append_journal, _checkpoint, _compact, _latest
 from elasticmem.bank.builder import _dir_lock
-from elasticmem.bank.store import GROUPS_SHA256, MANIFEST, Bank, BankError, apply_record, rows_to_segments
+from elasticmem.bank.manifest import GROUPS_SHA256, MANIFEST, BankError, apply_record, rows_to_segments
+from elasticmem.bank.store import Bank
 from elasticmem.data.chunking import chunks_fingerprint
 
 

@@ -14,7 +14,7 @@ from elasticmem.config import BackboneConfig, TinyModelConfig
 
 
 def _tiny_words(vocabulary: str = "synthetic") -> list[str]:
-    from elasticmem.data.synthetic import VOCABULARY
+    from elasticmem.data.synthetic_tables import VOCABULARY
 
     words = ["User", "Assistant", "user", "assistant", "system", *VOCABULARY]
     if vocabulary == "alfworld":

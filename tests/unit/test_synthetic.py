@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticmem.data import synthetic
+from elasticmem.data import synthetic, synthetic_tables
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import SPLITS, Example, read_examples
 from elasticmem.data.synthetic import SyntheticConfig, generate, write_synthetic
@@ -312,7 +312,7 @@ def test_tiny_chunks_and_questions_end_with_the_key(num_facts: int, num_options:
 
 
 def test_tiny_vocabulary_covers_everything_it_emits() -> None:
-    vocab = synthetic.VOCABULARY
+    vocab = synthetic_tables.VOCABULARY
     assert len(vocab) == len(set(vocab)) < 60
     cfg = SyntheticConfig(variant="tiny", num_facts=8, num_keys=24, num_options=10, num_histories=40)
     for ex in _all(generate(cfg, 0)):
@@ -377,10 +377,10 @@ def test_config_limits_match_the_tables(monkeypatch) -> None:
     # the task refuses to load when its tables and those numbers part ways.
     from elasticmem import config
 
-    synthetic._check_limits()  # as they are: they agree
+    synthetic_tables._check_limits()  # as they are: they agree
     monkeypatch.setattr(config, "SYNTHETIC_FILLER", len(synthetic.FILLER) + 1)
     with pytest.raises(ImportError, match="SYNTHETIC_FILLER"):
-        synthetic._check_limits()
+        synthetic_tables._check_limits()
     monkeypatch.undo()
     with pytest.raises(ValueError, match=f"num_filler must be in 0..{len(synthetic.FILLER)}"):
         SyntheticConfig(num_filler=len(synthetic.FILLER) + 1)

@@ -140,7 +140,7 @@ def test_system_memory_settings_layer_checkpoint_preset_and_overrides(tmp_path):
 
 
 def test_config_does_not_import_the_training_layers():
-    """config.py is the bottom layer: importing it must not pull in grpo (which imports config)."""
+    """elasticmem.config is the bottom layer: importing it must not pull in grpo (which imports config)."""
     import subprocess
     import sys
 

@@ -1,0 +1,259 @@
+"""Settings of the data: the splits, the synthetic task (its pool sizes, its fact types and
+``SyntheticConfig``), the prepared dataset, chunking, and the memory bank with its index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from elasticmem.utils.common import require as _require
+
+
+SPLITS = ("train", "val", "test")
+"""The data splits, in order (``elasticmem.data.schema`` uses this tuple)."""
+
+SYNTHETIC_QUESTION_TYPES = ("single_hop", "multi_hop", "knowledge_update")
+# The sizes of the synthetic task's built-in pools (elasticmem.data.synthetic), which bound its
+# knobs. They are written here so that a config is checked without loading the task's tables;
+# the task module refuses to load if its tables and these numbers disagree.
+SYNTHETIC_TINY_KEYS = 24
+SYNTHETIC_CATEGORIES = 12
+SYNTHETIC_VALUE_POOL = 30
+SYNTHETIC_RELATIONS = 24
+SYNTHETIC_PERSON_NAMES = 40
+SYNTHETIC_FILLER = 24
+
+
+def synthetic_fact_types(question_types: Sequence[str], num_facts: int) -> list[str]:
+    """The question type of each fact of a persona history: the types in turn."""
+    return [question_types[i % len(question_types)] for i in range(num_facts)]
+
+
+@dataclass
+class SyntheticConfig:
+    """Knobs of the synthetic memory task (see elasticmem.data.synthetic)."""
+
+    variant: Literal["persona", "tiny"] = "persona"
+    """'persona': realistic multi-session chats with single_hop, multi_hop and
+    knowledge_update questions. 'tiny': one session of "{letter} {key}" turns and
+    "recall {key}" questions, small enough for a tiny random model to learn by RL."""
+    num_histories: int = 60
+    """Histories (bank groups) generated over all splits together."""
+    split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
+    """Train/val/test fractions of the histories; the split is by history, so no
+    history is shared across splits."""
+    num_sessions: int = 4
+    """Sessions per history (persona variant; tiny always has one)."""
+    num_facts: int = 6
+    """Facts per history, one question each (tiny: turns per history, 4..8 works well)."""
+    num_distractors: int = 3
+    """Lexically similar distractor chunks per fact (persona variant); their values are
+    the wrong options, so it must be >= num_options - 1."""
+    num_filler: int = 4
+    """Unrelated small-talk turn pairs per history (persona variant)."""
+    num_options: Literal[4, 10] = 4
+    """Answer options per question (MC-4 or MC-10)."""
+    question_types: list[str] = field(default_factory=lambda: list(SYNTHETIC_QUESTION_TYPES))
+    """Question types of the persona variant; the facts of a history cycle through them."""
+    num_keys: int = 16
+    """Tiny variant: size of the key vocabulary (at most the number of built-in keys, 24)."""
+    assistant_replies: Literal["engaged", "acknowledge"] = "engaged"
+    """Persona variant: how the assistant answers a user turn. 'engaged': as in real
+    dialogue (LoCoMo) it names the value and asks about the attribute ("Pepper, what a
+    cute name! What is special about this dog? Tell me more."), the person or the small
+    talk, in varied templates, so a chunk's bank key (its last state) carries its topic.
+    'acknowledge': a reply from a short fixed list ("Got it, I will keep that in
+    mind."), the style before issue 12, whose keys encode the acknowledgement. The
+    user turns, their order, the dates and the questions are the same in both styles."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that cannot work."""
+        _require(self.variant in ("persona", "tiny"),
+                 f"variant must be 'persona' or 'tiny', got {self.variant!r}")
+        _require(self.assistant_replies in ("engaged", "acknowledge"),
+                 f"assistant_replies must be 'engaged' or 'acknowledge', got {self.assistant_replies!r}")
+        _require(self.num_options in (4, 10), f"num_options must be 4 or 10, got {self.num_options!r}")
+        _require(self.num_histories >= 1, f"num_histories must be >= 1, got {self.num_histories}")
+        _require(len(self.split_fractions) == len(SPLITS),
+                 f"split_fractions needs {len(SPLITS)} numbers ({'/'.join(SPLITS)}), "
+                 f"got {self.split_fractions}")
+        _require(all(f >= 0 for f in self.split_fractions),
+                 f"split_fractions must be >= 0, got {self.split_fractions}")
+        _require(abs(sum(self.split_fractions) - 1.0) < 1e-6,
+                 f"split_fractions must sum to 1, got {self.split_fractions} "
+                 f"(sum {sum(self.split_fractions):g})")
+        _require(self.num_facts >= 1, f"num_facts must be >= 1, got {self.num_facts}")
+        if self.variant == "tiny":
+            self._validate_tiny()
+        else:
+            self._validate_persona()
+
+    def _validate_tiny(self) -> None:
+        _require(1 <= self.num_keys <= SYNTHETIC_TINY_KEYS,
+                 f"num_keys must be in 1..{SYNTHETIC_TINY_KEYS} (the built-in keys), got {self.num_keys}")
+        _require(self.num_facts <= self.num_keys,
+                 f"num_facts ({self.num_facts}) must be <= num_keys ({self.num_keys}): "
+                 "each turn of a tiny history needs its own key")
+
+    def _validate_persona(self) -> None:
+        unknown = [t for t in self.question_types if t not in SYNTHETIC_QUESTION_TYPES]
+        _require(not unknown, f"unknown question type(s) {unknown}; valid: {list(SYNTHETIC_QUESTION_TYPES)}")
+        _require(len(self.question_types) >= 1,
+                 f"question_types must not be empty; valid: {list(SYNTHETIC_QUESTION_TYPES)}")
+        _require(self.num_distractors >= self.num_options - 1,
+                 f"num_distractors ({self.num_distractors}) must be >= num_options - 1 "
+                 f"({self.num_options - 1}) so every wrong option appears in the history")
+        _require(self.num_facts <= SYNTHETIC_CATEGORIES,
+                 f"num_facts ({self.num_facts}) must be <= {SYNTHETIC_CATEGORIES}, the number of "
+                 "fact categories: one category per fact keeps every question unambiguous")
+        pool = SYNTHETIC_VALUE_POOL
+        _require(self.num_distractors + 2 <= pool,
+                 f"num_distractors ({self.num_distractors}) must be <= {pool - 2}: a fact needs "
+                 f"num_distractors + 2 distinct values and the smallest value pool has {pool}")
+        _require(self.num_sessions >= 1, f"num_sessions must be >= 1, got {self.num_sessions}")
+        types = synthetic_fact_types(self.question_types, self.num_facts)
+        _require("knowledge_update" not in types or self.num_sessions >= 2,
+                 "knowledge_update needs num_sessions >= 2 (the old value goes in an earlier session)")
+        people = types.count("multi_hop") * (self.num_distractors + 1)
+        _require(people <= min(SYNTHETIC_RELATIONS, SYNTHETIC_PERSON_NAMES),
+                 f"{types.count('multi_hop')} multi_hop facts x (num_distractors + 1) = {people} linked "
+                 f"people, more than the {min(SYNTHETIC_RELATIONS, SYNTHETIC_PERSON_NAMES)} distinct relations "
+                 "available; lower num_distractors or num_facts, or drop multi_hop")
+        _require(self.num_distractors <= SYNTHETIC_RELATIONS,
+                 f"num_distractors ({self.num_distractors}) must be <= {SYNTHETIC_RELATIONS} (relations)")
+        _require(0 <= self.num_filler <= SYNTHETIC_FILLER,
+                 f"num_filler must be in 0..{SYNTHETIC_FILLER}, got {self.num_filler}")
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared examples live (DESIGN.md section 2 schema, one JSONL per split)."""
+
+    dir: str = "runs/data/synthetic"
+    """Folder holding train.jsonl, val.jsonl, test.jsonl (written by
+    `python -m elasticmem.data.prepare`)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Knobs of the synthetic memory task (used by `prepare synthetic`)."""
+
+
+@dataclass
+class ChunkingConfig:
+    """How histories become memory chunks and tokens."""
+
+    max_tokens: int = 256
+    """Token cap per chunk; longer chunks are truncated (see truncation_side)."""
+    truncation_side: Literal["left", "right"] = "right"
+    """'right' keeps the start of a long chunk, 'left' keeps its end."""
+    add_special_tokens: bool = True
+    """Let the tokenizer add its special tokens (e.g. BOS) to each chunk, as the reference code does."""
+
+
+@dataclass
+class IndexConfig:
+    """Top-k search over bank keys (cosine = inner product of L2-normalised vectors)."""
+
+    type: Literal["torch", "flat", "ivf", "hnsw"] = "torch"
+    """'torch' and 'flat' (FAISS IndexFlatIP) are exact; 'ivf' and 'hnsw' are approximate FAISS
+    indexes for large shared banks. Search restricted to a group is exact for every type (a
+    matrix product over the group's keys, bank/index.py). Above ~100k chunks use 'hnsw' (at 1M keys, 2
+    CPU cores, default settings: recall@20 0.956 in 0.07x the exact search's time; built in
+    ~6 min) or 'ivf' (0.960 in 0.11x; built in ~2 min); below, exact search is fast enough."""
+    nlist: int = 0
+    """IVF cells; 0 = 4*sqrt(rows), at least 1."""
+    nprobe: int = 80
+    """IVF cells visited per query (recall/speed trade-off). 80: recall@20 0.960 at 1M keys with
+    real-structured keys and queries (16 gave 0.82, 96 gives 0.969); benchmarks/README.md."""
+    hnsw_m: int = 32
+    """HNSW graph degree."""
+    ef_construction: int = 80
+    """HNSW build-time beam width."""
+    ef_search: int = 384
+    """HNSW query-time beam width. 384: recall@20 0.956 at 1M keys with real-structured keys and
+    queries (128 gave 0.85, 512 gives 0.968; at 100k 128 gives 0.969); benchmarks/README.md."""
+    train_size: int = 262144
+    """At most this many keys (sampled with the config seed) train the IVF quantizer."""
+    save: bool = True
+    """Write approximate indexes to index.faiss in the bank folder and reuse them."""
+    gpu: bool = False
+    """Search 'flat' and 'ivf' indexes on the GPU (faiss-gpu; backbone.device's GPU, else GPU 0),
+    copied there at the first unrestricted search. Searches restricted to a group multiply the
+    group's keys (moved at each search) on that GPU too."""
+
+
+@dataclass
+class BankConfig:
+    """The latent memory bank: keys + content caches (DESIGN.md sections 1.1 and 3.1)."""
+
+    dir: str = "runs/bank/synthetic"
+    """Output folder of build_bank.py and input folder of training/evaluation."""
+    n_cache: int = 20
+    """N_c: number of final hidden states kept per chunk (the content cache)."""
+    cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Storage dtype of the content cache: auto = float16 on CUDA, float32 on CPU. Keys are
+    always float32."""
+    batch_size: int = 16
+    """Chunks per forward pass (chunks are length-sorted inside a shard, so padding is small)."""
+    shard_rows: int = 2048
+    """Rows per shard file; the build resumes shard by shard after an interruption."""
+    splits: list[str] = field(default_factory=lambda: ["train", "val", "test"])
+    """Which splits' histories go into the bank."""
+    overwrite: bool = False
+    """Rebuild from scratch even if the folder holds a finished or different bank."""
+    part: str = ""
+    """'K/N': encode only part K (0-based) of N, the shards i with i % N == K, and stop without
+    writing the manifest: one task of a job array (slurm/build_bank.sbatch, docs/cluster.md).
+    Parts may run at once and on several nodes (the folder is prepared under a file lock, so it
+    must be on a file system with working flock). A later run without it finds every shard
+    encoded and writes the manifest (the merge). '' = the whole build."""
+    verify: bool = False
+    """After building (or when the bank already exists), re-hash every shard against the manifest."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+    """Search settings."""
+    key: Literal["last", "mean", "prompt", "layer_mean"] = "last"
+    """How a chunk's retrieval key is made (recorded in the manifest's ``key``; the content
+    cache is always the paper's). 'last' = L2-normalised last final-layer state (the paper).
+    Departures from the paper: 'mean' = mean of all final-layer states of the chunk;
+    'layer_mean' = mean over ``key_layers`` of the L2-normalised mean of that layer's states
+    (positions 1..L-1: position 0 is the attention sink); 'prompt' = last final-layer state of
+    the chunk wrapped in ``key_template`` (PromptEOL). Use with the matching
+    ``memory.retrieval`` (same name), which encodes the question the same way."""
+    key_layers: list[int] = field(default_factory=lambda: [1, 9, 28])
+    """Layers averaged by key='layer_mean', as indices of HF ``hidden_states`` (0 = input
+    embeddings, -1 = the final layer after the norm)."""
+    key_template: str = 'This sentence : "{text}" means in one word:"'
+    """The text key='prompt' encodes; {text} becomes the chunk."""
+    content_layer: int = -1
+    """Which layer's states the content cache holds, as an index of HF ``hidden_states`` (0 = input
+    embeddings, -1 = the final layer after the norm: the paper). A departure for small reasoners:
+    a middle layer's states keep more of their own tokens than the final layer's, which are shaped
+    to predict the next token (docs/recipe.md, history). Keys are unaffected."""
+    kv_cache: bool = False
+    """Also store, for the same n_cache last positions of each chunk, every layer's attention keys
+    and values as the frozen encoder computed them over the chunk (manifest ``kv``; shard tensor
+    ``kv``), for a reasoner that reads them directly (``memory.content=kv``). A departure from the
+    paper, whose content is the final-layer states read through a projector; needs a model with
+    rotary position embeddings. Size: n_cache x layers x 2 x KV heads x head width values per
+    chunk (SmolLM2-135M: 11,520 a position, 20x its hidden states)."""
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """Storage dtype of the per-layer keys and values (kv_cache)."""
+    dist_timeout_s: float = 1800.0
+    """Seconds a process of a multi-process build (``accelerate launch build_bank.py``) waits at a
+    barrier for the others before the build is aborted (the process group's timeout; PyTorch's
+    NCCL default is 600): the others wait while one process fills the model's fingerprint cache,
+    writes the chunk list and the manifest, or encodes its last shard."""
+
+    def __post_init__(self) -> None:
+        if self.part:
+            k, sep, n = self.part.partition("/")
+            _require(sep == "/" and k.isdigit() and n.isdigit() and int(k) < int(n),
+                     f"part must be 'K/N' with 0 <= K < N (e.g. '0/4'), got {self.part!r}")
+            _require(not self.overwrite, "part and overwrite together would let each part wipe the others' "
+                     "shards: delete the folder first instead")
+
+    def part_index(self) -> tuple[int, int] | None:
+        """(K, N) of ``part`` (validated at construction), or None for the whole build."""
+        return tuple(map(int, self.part.split("/"))) if self.part else None

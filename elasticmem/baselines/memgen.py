@@ -50,7 +50,8 @@ from elasticmem.bank.index import KeyIndex
 from elasticmem.bank.store import Bank
 from elasticmem.config import ConfigError, MemGenConfig, MemoryConfig
 from elasticmem.data.schema import Example
-from elasticmem.model.elasticmem import CONFIG_FILE, FORMAT_VERSION, ElasticMem
+from elasticmem.model.checkpoint import CONFIG_FILE, FORMAT_VERSION
+from elasticmem.model.elasticmem import ElasticMem
 from elasticmem.model.trajectories import ScoreOutput, Trajectories
 
 WEIGHTS_FILE = "memgen.safetensors"

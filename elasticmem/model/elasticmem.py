@@ -1,9 +1,13 @@
 """The ElasticMem model: one ``nn.Module`` holding the LoRA reasoner, budget policy and projector.
 
-Why one file (about 880 lines): its methods are the trajectory's steps, and each reads the same
-state (the LoRA reasoner and its adapter switch, the bank, the policy and projector). Its records
-are in ``trajectories.py``, the prompt's text in ``prompt.py``, generation and token
-log-probabilities in ``generation.py``.
+Its methods are the trajectory's steps, each reading the same state (the LoRA reasoner and its
+adapter switch, the bank, the policy and projector); the steps' parts are plain functions in their
+own modules: the bank's checks, recent/given/included rows and the key-like query ids in
+``retrieval.py``, the fixed budget modes in ``budget_modes.py``, the memories' soft tokens, KV
+pieces and text embeddings in ``memory_content.py``, saving and loading in ``checkpoint.py``,
+activation checkpointing in ``activation_checkpointing.py``. Its records are in
+``trajectories.py``, the prompt's text in ``prompt.py``, generation and token log-probabilities in
+``generation.py``.
 
 A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
 
@@ -35,10 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -50,6 +52,9 @@ from elasticmem.bank.index import KeyIndex, build_index
 from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
+from elasticmem.model import checkpoint
+from elasticmem.model.activation_checkpointing import enable_checkpointing
+from elasticmem.model.budget_modes import FIXED_MODES, fixed_budgets
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
 from elasticmem.model.generation import (
     chunked_prefill,
@@ -60,13 +65,14 @@ from elasticmem.model.generation import (
     read_only,
     token_logps,
 )
-from elasticmem.model.injection import Assembled, KVPiece, Layout, assemble, left_pad
-from elasticmem.model.projector import Projector, select_last_valid
+from elasticmem.model.injection import Assembled, Layout, assemble, left_pad
+from elasticmem.model.memory_content import (chunk_ids, forget_chunk_ids, kv_memories, projected_memories,
+                                             text_memories)
+from elasticmem.model.projector import Projector
 from elasticmem.model.prompt import encode_prompt
+from elasticmem.model.retrieval import (build_mapped_index, check_bank, given_rows, include_rows, key_query_ids,
+                                        recent_rows)
 from elasticmem.model.trajectories import ScoreOutput, Trajectories
-
-FORMAT_VERSION = 1
-CONFIG_FILE = "elasticmem_config.json"
 
 
 class ElasticMem(nn.Module):
@@ -76,40 +82,14 @@ class ElasticMem(nn.Module):
         super().__init__()
         from peft import LoraConfig, get_peft_model
 
-        if bank.fingerprint != backbone.fingerprint:
-            raise BankError(
-                f"bank {bank.root} was encoded by {bank.manifest['encoder']['name_or_path']!r} "
-                f"({bank.fingerprint[:23]}...), not by this backbone ({backbone.fingerprint[:23]}...): "
-                f"rebuild the bank with build_bank.py for this model"
-            )
-        own_key = {"mean": "mean", "prompt": "prompt", "layer_mean": "layer_mean"}.get(cfg.retrieval, "last")
-        expected = cfg.key or own_key
-        searches = cfg.top_z > 0  # a no-memory model (top_z 0) never compares query states with keys
-        if searches and cfg.retrieval not in ("semantic", "recent") and bank.key_variant != expected:
-            raise BankError(
-                f"bank {bank.root} has '{bank.key_variant}' keys ({bank.key}) but memory.retrieval="
-                f"{cfg.retrieval}{' with memory.key=' + cfg.key if cfg.key else ''} expects '{expected}' keys: "
-                f"query states and keys would not be comparable. Build a bank with bank.key={expected} or "
-                f"choose the retrieval mode of this bank (memory.retrieval={bank.key_variant}, or memory.key)"
-            )
-        if searches and cfg.retrieval == "layer_mean" and bank.key_variant != "layer_mean":
-            raise BankError(f"memory.retrieval=layer_mean takes its layers from a layer_mean bank; {bank.root} "
-                            f"has '{bank.key_variant}' keys")
+        check_bank(cfg, bank, backbone.fingerprint)
         self.cfg = cfg
         self.tokenizer = backbone.tokenizer
         self.backbone_name = backbone.name_or_path
         self.fingerprint = backbone.fingerprint
         self.bank = bank
         self.index = index if index is not None else build_index(bank, IndexConfig(type="torch"))
-        self.mapped_index = None  # memory.retrieval_map: f_q(h) against f_k(keys), exact search
-        if cfg.retrieval_map and searches:
-            from elasticmem.model.retrieval_map import MappedIndex, check_retrieval_map, load_retrieval_map
-
-            if cfg.retrieval in ("semantic", "recent"):
-                raise ValueError(f"memory.retrieval_map maps the model's own states; retrieval={cfg.retrieval} has none")
-            rmap, meta = load_retrieval_map(cfg.retrieval_map)
-            check_retrieval_map(meta, cfg.retrieval_map, cfg.retrieval, bank.key, backbone.fingerprint)
-            self.mapped_index = MappedIndex(bank, rmap)
+        self.mapped_index = build_mapped_index(cfg, bank, backbone.fingerprint)  # f_q(h) vs f_k(keys), exact
         lora = cfg.lora
         self.lm = get_peft_model(
             backbone.model,
@@ -204,32 +184,10 @@ class ElasticMem(nn.Module):
 
     def enable_activation_checkpointing(self, reentrant: bool = False) -> None:
         """Recompute the decoder layers' activations in backward instead of keeping them
-        (``train.gradient_checkpointing``), and the logits of ``_token_logps``' chunks.
-
-        Only forward passes in train mode with gradients are checkpointed (scoring, the warm-up's
-        steps): rollouts and evaluation (eval mode, ``no_grad``) run as before, KV cache included.
-        ``reentrant``: torch's reentrant variant instead of the non-reentrant one, for DeepSpeed
-        ZeRO-3, whose partitioned frozen parameters fail the non-reentrant recompute's checks
-        (deepspeedai/DeepSpeed#4332); it needs each layer's input to require grad, which
-        transformers' input-embedding hook ensures (installed with it, removed otherwise).
-        """
-        base, kwargs = self.base, {"use_reentrant": reentrant}
-        if hasattr(base, "activation_checkpointing_enable"):  # the newer name (the old one warns)
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if not reentrant:
-            # the hook makes every embedding output require grad: only the reentrant variant
-            # needs it (it sees no gradient path otherwise when the embeddings are frozen)
-            base.disable_input_require_grads()
-        for m in base.modules():
-            if getattr(m, "_gradient_checkpointing_func", None) is not None:
-                m._gradient_checkpointing_func = self._same_adapter_state(m._gradient_checkpointing_func)
-            if self.rotary is not None and hasattr(m, "_can_checkpoint_with_cache"):
-                # KV memories reach the layers as a cache, which transformers drops from checkpointed
-                # layers unless they only read it: ``score`` hands them a read-only one (``read_only``)
-                m._can_checkpoint_with_cache = True
-        self._checkpointing = kwargs
+        (``train.gradient_checkpointing``), and the logits of ``_token_logps``' chunks
+        (``activation_checkpointing.enable_checkpointing``; ``reentrant`` for DeepSpeed ZeRO-3)."""
+        self._checkpointing = enable_checkpointing(self.base, reentrant, self._same_adapter_state,
+                                                   kv_cache=self.rotary is not None)
 
     def _same_adapter_state(self, checkpoint_func):
         """``checkpoint_func`` (``checkpoint_func(function, *args)``) whose recomputation runs with
@@ -292,16 +250,8 @@ class ElasticMem(nn.Module):
         """[B, d] query states of retrieval 'mean' / 'layer_mean' (the question tokenised as the
         bank's chunks, pooled like its keys) and 'prompt' (last state of memory.query_template)."""
         from elasticmem.bank.encoding import key_states
-        from elasticmem.data.chunking import tokenize_chunks
 
-        mode, tok = self.cfg.retrieval, self.bank.manifest["tokenization"]
-        if mode == "prompt":
-            texts = [self.cfg.query_template.replace("{question}", q) for q in questions]
-            ids = [self.tokenizer(t, add_special_tokens=tok["add_special_tokens"])["input_ids"] for t in texts]
-        else:
-            ids = tokenize_chunks(questions, self.tokenizer, tok["max_tokens"], tok["truncation_side"],
-                                  tok["add_special_tokens"])
-        spec = self.bank.key if mode == "layer_mean" else {"variant": mode}
+        ids, spec = key_query_ids(self.cfg, self.bank, self.tokenizer, questions)
         with self._decoder(disable_adapter=True):
             return key_states(self.base.get_decoder(), ids, spec, self.tokenizer.pad_token_id)
 
@@ -313,7 +263,7 @@ class ElasticMem(nn.Module):
             empty = torch.zeros(len(groups), 0)
             return empty.long(), empty, empty.bool()
         if self.cfg.retrieval == "recent":
-            rows = self._recent_rows(groups)
+            rows = recent_rows(self.bank, groups, Z, self.cfg.recent_max_tokens, self._recent)
             return rows, torch.zeros(rows.shape), rows >= 0
         if self.semantic is not None:
             res = self.semantic.search(h, Z, groups)
@@ -329,25 +279,6 @@ class ElasticMem(nn.Module):
                             f"said once)")
         scores = torch.where(mask, res.scores, torch.zeros_like(res.scores))
         return res.rows, scores, mask
-
-    def _recent_rows(self, groups: list[str]) -> torch.Tensor:
-        """[N, Z'] the latest rows of each group, oldest first, within top_z and recent_max_tokens."""
-        chunks = self.bank.chunks()
-        for g in dict.fromkeys(groups):
-            if g in self._recent:  # picked once per bank snapshot (refresh_bank clears them)
-                continue
-            picked, used = [], 0
-            for r in reversed(self.bank.group_row_ids(g).tolist()):
-                used += chunks[r]["n_tokens"]
-                if len(picked) == self.cfg.top_z or used > self.cfg.recent_max_tokens:
-                    break
-                picked.append(r)
-            self._recent[g] = picked[::-1]
-        Z = max(1, max(len(self._recent[g]) for g in groups))
-        rows = torch.full((len(groups), Z), -1, dtype=torch.long)
-        for i, g in enumerate(groups):
-            rows[i, : len(self._recent[g])] = torch.as_tensor(self._recent[g], dtype=torch.long)
-        return rows
 
     def _allocate(self, h, rows, scores, mask, greedy: bool, budgets: torch.Tensor | None = None):
         """Sample budgets (``budgets`` None) or score given ones; Z = 0 gives empty results."""
@@ -366,28 +297,15 @@ class ElasticMem(nn.Module):
         (max_budget for the rows in ``evidence[i]``, 0 for the others). In greedy mode
         ``memory.policy.token_cap`` applies to every mode: the policy cuts its lowest-value
         memories first, 'max' shares the cap out evenly, 'oracle' keeps the evidence by rank."""
-        from elasticmem.model.budget_policy import cap_budgets, spread_budgets
-
         if mode == "policy":
             bs = self._allocate(h, rows, scores, mask, greedy)
             return bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
-        if mode not in ("max", "uniform", "oracle"):
+        if mode not in FIXED_MODES:
             raise ValueError(f"budgets must be 'policy', 'max', 'uniform' or 'oracle', got {mode!r}")
-        N, Z = rows.shape
-        top, cap = self.cfg.policy.max_budget, self.cfg.policy.token_cap if greedy else None
-        if mode == "max":
-            b = spread_budgets(mask, top, cap)
-        elif mode == "uniform":
-            b = torch.randint(1, top + 1, (N, Z), generator=generator)
-        else:
-            if evidence is None or len(evidence) != N:
-                raise ValueError(f"budgets='oracle' needs the evidence rows of each of the {N} trajectories")
-            b = torch.tensor([[top if r in evidence[i] else 0 for r in row] for i, row in enumerate(rows.tolist())],
-                             dtype=torch.long).reshape(N, Z)
-            if cap is not None:
-                b = cap_budgets(b, b.float(), mask, cap)
-        zeros = torch.zeros(N, Z)
-        return torch.where(mask, b, torch.zeros_like(b)), zeros, zeros
+        cap = self.cfg.policy.token_cap if greedy else None
+        b = fixed_budgets(mode, rows, mask, self.cfg.policy.max_budget, cap, generator, evidence)
+        zeros = torch.zeros(rows.shape)
+        return b, zeros, zeros
 
     def _policy_inputs(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         keys = self.semantic.gather_keys(rows) if self.semantic is not None else self.bank.gather_keys(rows)
@@ -395,45 +313,12 @@ class ElasticMem(nn.Module):
 
     def _soft_tokens(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list], torch.Tensor]:
         """Projected soft tokens per trajectory (memories with 0 tokens left out) and counts [N, Z]
-        (``KVPiece``s under memory.content=kv)."""
-        N, Z = rows.shape
+        (``KVPiece``s under memory.content=kv; token embeddings under memory.injection=text)."""
         if self.cfg.injection == "text":
-            return self._text_memories(rows)
+            return text_memories(self.base.get_input_embeddings(), self._chunk_ids, rows, self.device)
         if self.rotary is not None:
-            return self._kv_memories(rows, budgets)
-        flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
-        use = (flat_rows >= 0) & (flat_b > 0)
-        counts = torch.zeros(N * Z, dtype=torch.long)
-        per_traj: list[list[torch.Tensor]] = [[] for _ in range(N)]
-        if use.any():
-            cache, cache_len = self.bank.gather(flat_rows[use])
-            states, c = select_last_valid(cache, cache_len, flat_b[use])
-            soft = self.projector(states.to(self.device, torch.float32))
-            counts[use] = c
-            pieces = soft.split(c.tolist())
-            for k, flat_idx in enumerate(use.nonzero().reshape(-1).tolist()):
-                if c[k] > 0:
-                    per_traj[flat_idx // Z].append(pieces[k])
-        return per_traj, counts.reshape(N, Z)
-
-    def _kv_memories(self, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[KVPiece]], torch.Tensor]:
-        """memory.content=kv: per trajectory, each memory's last min(b_j, readable slots) per-layer
-        keys and values (``Bank.kv_lengths``), and those counts [N, Z]."""
-        N, Z = rows.shape
-        flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
-        use = (flat_rows >= 0) & (flat_b > 0)
-        counts = torch.zeros(N * Z, dtype=torch.long)
-        per_traj: list[list[KVPiece]] = [[] for _ in range(N)]
-        if use.any():
-            kv = self.bank.gather_kv(flat_rows[use])
-            n_cache = kv.shape[1]
-            c = torch.minimum(flat_b[use], self.bank.kv_lengths(flat_rows[use]))
-            counts[use] = c
-            for k, flat_idx in enumerate(use.nonzero().reshape(-1).tolist()):
-                ck = int(c[k])
-                if ck > 0:
-                    per_traj[flat_idx // Z].append(KVPiece(kv[k, n_cache - ck:], n_cache - ck))
-        return per_traj, counts.reshape(N, Z)
+            return kv_memories(self.bank, rows, budgets)
+        return projected_memories(self.bank, self.projector, rows, budgets, self.device)
 
     def _assemble(self, layouts: Sequence[Layout]) -> Assembled:
         """``assemble`` with this model's embedding, separator and (KV memories) rotary embedding."""
@@ -441,30 +326,7 @@ class ElasticMem(nn.Module):
         return assemble(self.base.get_input_embeddings(), layouts, self.sep_ids, self.rotary, additive=eager)
 
     def _chunk_ids(self, row: int) -> list[int]:
-        if row not in self._chunk_tokens:
-            text = self.bank.chunk(row)["text"]
-            self._chunk_tokens[row] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self._chunk_tokens[row]
-
-    def _text_memories(self, rows: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-        """Text injection: each retrieved chunk's token embeddings, and token counts [N, Z]."""
-        N, Z = rows.shape
-        counts = torch.zeros(N, Z, dtype=torch.long)
-        ids = [[self._chunk_ids(int(r)) if r >= 0 else [] for r in row] for row in rows.tolist()]
-        flat = [t for row in ids for chunk in row for t in chunk]
-        per_traj: list[list[torch.Tensor]] = [[] for _ in range(N)]
-        if not flat:
-            return per_traj, counts
-        # One embedding call for the batch (one parameter gather under ZeRO-3).
-        emb = self.base.get_input_embeddings()(torch.as_tensor(flat, device=self.device))
-        pieces = iter(emb.split([len(c) for row in ids for c in row]))
-        for i, row in enumerate(ids):
-            for j, chunk in enumerate(row):
-                piece = next(pieces)
-                if chunk:
-                    per_traj[i].append(piece)
-                    counts[i, j] = len(chunk)
-        return per_traj, counts
+        return chunk_ids(self.bank, self.tokenizer, self._chunk_tokens, row)
 
     # ------------------------------------------------------------------ live memory
 
@@ -484,12 +346,7 @@ class ElasticMem(nn.Module):
         if self.semantic is not None:
             self.semantic.refresh(new)
         self._recent.clear()  # a group's latest chunks change with appends
-        if not new.extends(self.bank):
-            self._chunk_tokens.clear()  # rows of another bank
-        elif new.deleted != self.bank.deleted:  # forgotten rows: their tokens leave this process too
-            for a, b in new.deleted:
-                for r in range(a, b):
-                    self._chunk_tokens.pop(r, None)
+        forget_chunk_ids(self._chunk_tokens, self.bank, new)
         self.bank = new
         return True
 
@@ -628,51 +485,16 @@ class ElasticMem(nn.Module):
         return self._target_logps(H, x.answer_start, tgt, lengths), mask.to(H.device)
 
     def _given(self, h: torch.Tensor, memories: Sequence[set[int]]):
-        """Rows [N, Z'] (Z' the most given), cosine scores of h and mask for exactly the ``memories``
-        of each example, highest score first (the order retrieval would give them)."""
-        N = len(memories)
-        if N != h.shape[0]:
-            raise ValueError(f"{N} memory sets for {h.shape[0]} trajectories")
-        Z = max([1] + [len(m) for m in memories])
-        rows = torch.full((N, Z), -1, dtype=torch.long)
-        for i, m in enumerate(memories):
-            rows[i, : len(m)] = torch.as_tensor(sorted(m), dtype=torch.long)
-        keys = torch.nn.functional.normalize(self._policy_inputs(h, rows).float().cpu(), dim=-1)
-        scores = torch.einsum("nzd,nd->nz", keys, torch.nn.functional.normalize(h.float().cpu(), dim=-1))
-        scores = torch.where(rows >= 0, scores, torch.full_like(scores, float("-inf")))
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        rows, scores = rows.gather(1, order), scores.gather(1, order)
-        mask = rows >= 0
-        return rows, torch.where(mask, scores, torch.zeros_like(scores)), mask
+        """``retrieval.given_rows``: rows, scores and mask [N, Z'] of exactly the ``memories``, ranked."""
+        return given_rows(h, memories, lambda rows: self._policy_inputs(h, rows))
 
     def _include(self, h, rows, scores, mask, include: Sequence[set[int]] | None):
         """``rows`` with each example's ``include`` rows in place of its lowest-ranked others, by
-        score; unchanged without ``include``, without memories, or for retrieval='recent'."""
-        if include is None or rows.shape[1] == 0 or self.cfg.retrieval == "recent":
+        score (``retrieval.include_rows``); unchanged for retrieval='recent'."""
+        if self.cfg.retrieval == "recent":
             return rows, scores, mask
-        N, Z = rows.shape
-        hn = torch.nn.functional.normalize(h.float().cpu(), dim=-1)
-        out_r, out_s = rows.clone(), scores.clone()
-        for i in range(N):
-            want = sorted(include[i])
-            if not want:
-                continue
-            kept = {r for r in rows[i].tolist() if r >= 0 and r not in include[i]}
-            keys = torch.nn.functional.normalize(self.bank.gather_keys(torch.as_tensor(want)).float(), dim=-1)
-            want_s = (keys @ hn[i]).tolist()
-            if self.mapped_index is not None or self.semantic is not None:
-                # another score space: rank the evidence first rather than mix incomparable scores
-                want_s = [float(scores[i, 0]) + 1.0] * len(want)
-            pairs = sorted(zip(want_s, want), reverse=True)[:Z]
-            size = min(Z, max(int(mask[i].sum()), len(pairs)))
-            keep = [(float(s), r) for s, r in zip(scores[i].tolist(), rows[i].tolist()) if r in kept]
-            keep = keep[: size - len(pairs)]
-            merged = sorted(pairs + keep, reverse=True)
-            out_r[i] = -1
-            out_s[i] = 0.0
-            for j, (sc, r) in enumerate(merged):
-                out_r[i, j], out_s[i, j] = r, sc
-        return out_r, out_s, out_r >= 0
+        other_space = self.mapped_index is not None or self.semantic is not None
+        return include_rows(h, rows, scores, mask, include, self.bank, other_space)
 
     def _rollout(self, batch: Sequence[Example], G: int, temperature: float, greedy: bool,
                  include_rows: Sequence[set[int]] | None = None, budgets: str = "policy",
@@ -724,28 +546,14 @@ class ElasticMem(nn.Module):
         return Trajectories(
             example_ids=[ex.id for ex in batch for _ in range(G)],
             query_index=torch.arange(len(batch)).repeat_interleave(G),
-            prompt_ids=[prompts[i // G] for i in range(N)],
-            suffix_ids=[suffixes[i // G] for i in range(N)],
-            groups=groups,
-            control=a,
-            rows=rows,
-            scores=scores,
-            mask=mask,
-            budgets=budgets,
-            soft_counts=counts,
-            answer_ids=answer_ids,
-            answer_mask=answer_mask,
+            prompt_ids=[prompts[i // G] for i in range(N)], suffix_ids=[suffixes[i // G] for i in range(N)],
+            groups=groups, control=a, rows=rows, scores=scores, mask=mask, budgets=budgets, soft_counts=counts,
+            answer_ids=answer_ids, answer_mask=answer_mask,
             answers=decode_answers(self.tokenizer, answer_ids, answer_mask, self.eos_ids),
-            logp_control=logp_a,
-            logp_budget=logp_b,
-            entropy_budget=ent_b,
-            logp_answer=logp_ans,
-            query_state=h.detach().cpu(),
-            answer_temperature=1.0 if greedy else temperature,
-            control_temperature=1.0 if greedy else self.cfg.control_temperature,
-            greedy=greedy,
-            num_tokens=num_tokens,
-            memory_tokens=memory_tokens,
+            logp_control=logp_a, logp_budget=logp_b, entropy_budget=ent_b, logp_answer=logp_ans,
+            query_state=h.detach().cpu(), answer_temperature=1.0 if greedy else temperature,
+            control_temperature=1.0 if greedy else self.cfg.control_temperature, greedy=greedy,
+            num_tokens=num_tokens, memory_tokens=memory_tokens,
             timings={"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2},
             budget_actions=self.cfg.injection == "latent",
         )
@@ -820,57 +628,18 @@ class ElasticMem(nn.Module):
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
     def save_pretrained(self, out: str | Path) -> None:
-        """LoRA adapter (peft), ``budget_policy.safetensors``, ``projector.safetensors``, config JSON."""
-        from safetensors.torch import save_file
-
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        # The base weights are frozen and identified by the fingerprint: never copy them into
-        # the adapter, even when lm_head (tied to the embeddings) carries LoRA.
-        self.lm.save_pretrained(out / "adapter", save_embedding_layers=False)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.policy.state_dict().items()},
-                  out / "budget_policy.safetensors")
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.projector.state_dict().items()},
-                  out / "projector.safetensors")
-        meta = {"format_version": FORMAT_VERSION, "memory": asdict(self.cfg),
-                "backbone": {"name_or_path": self.backbone_name, "fingerprint": self.fingerprint},
-                "bank": {"fingerprint": self.bank.fingerprint, "dir": str(self.bank.root)}}
-        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        """LoRA adapter, budget policy, projector and config JSON (``checkpoint.save_pretrained``)."""
+        checkpoint.save_pretrained(self, out)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, backbone, bank: Bank, index: KeyIndex | None = None) -> "ElasticMem":
         """Rebuild a saved model on ``backbone`` (which must be the one it was trained on)."""
-        from elasticmem.utils.configuration import from_dict
-
-        path = Path(path)
-        if not (path / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"{path} is not a saved ElasticMem model ({CONFIG_FILE} missing)")
-        meta = json.loads((path / CONFIG_FILE).read_text())
-        saved = meta["backbone"]["fingerprint"]
-        if saved != backbone.fingerprint:
-            raise ValueError(
-                f"{path} was trained on {meta['backbone']['name_or_path']!r} ({saved[:23]}...), but the backbone "
-                f"given is {backbone.name_or_path!r} ({backbone.fingerprint[:23]}...)"
-            )
-        model = cls(backbone, from_dict(MemoryConfig, meta["memory"]), bank, index)
-        model.load_weights(path)
-        return model
+        return checkpoint.from_pretrained(cls, path, backbone, bank, index)
 
     def _load_adapter(self, path: Path) -> None:
         """The LoRA adapter saved by ``save_pretrained`` in ``path`` (unknown weights refused)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.lm, adapter)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"unexpected adapter weights in {path}: {result.unexpected_keys[:3]}")
+        checkpoint.load_adapter(self.lm, path, self.device)
 
     def load_weights(self, path: str | Path) -> None:
         """Load the trained parts (adapter, policy, projector) saved by ``save_pretrained`` into this model."""
-        from safetensors.torch import load_file
-
-        path, dev = Path(path), str(self.device)
-        self._load_adapter(path)
-        self.policy.load_state_dict(load_file(str(path / "budget_policy.safetensors"), device=dev))
-        self.projector.load_state_dict(load_file(str(path / "projector.safetensors"), device=dev))
+        checkpoint.load_weights(self, path)

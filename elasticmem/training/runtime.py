@@ -179,7 +179,7 @@ def mixed_runs_error(run: Path, saved: Path, changed: list[str], key: str) -> Co
 
 def check_init(path: str | Path, core) -> None:
     """Refuse a ``train.init_from`` model of another backbone or another adapter, policy or projector shape."""
-    from elasticmem.model.elasticmem import CONFIG_FILE
+    from elasticmem.model.checkpoint import CONFIG_FILE
 
     f = Path(path) / CONFIG_FILE
     if not f.is_file():

@@ -15,10 +15,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
-# Two CPU processes under accelerate (DDP over gloo; with ACCELERATE_USE_CPU=1, DESIGN.md section 4)
-LAUNCH_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Under pytest-xdist (scripts/test.sh runs 2 workers) the cores are shared out among the workers:
@@ -26,6 +22,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # small-model work that a second thread barely speeds up.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+
+
+def launch_2() -> tuple[str, ...]:
+    """Two CPU processes under accelerate (DDP over gloo; with ACCELERATE_USE_CPU=1, DESIGN.md section 4).
+
+    Each call picks its own rendezvous port. Without one, accelerate checks whether 29500 is free and takes it;
+    when the suite's two xdist workers launch at the same moment both see it free and one fails with EADDRINUSE
+    (stop 52's CI run did).
+    """
+    from elasticmem.utils.common import free_port
+
+    return (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()))
 
 
 def proc_stat(pid: int) -> tuple[str, str, int] | None:

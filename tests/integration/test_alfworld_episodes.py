@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_2, ROOT, SHARED_DATA
+from conftest import ROOT, SHARED_DATA, launch_2
 from test_evaluate import _records
 from test_train import _env
 
@@ -82,7 +82,7 @@ def setup(tmp_path_factory):
                cfg.bank, torch.float32, show_progress=False)
     train(cfg)
     out = root / "eval"
-    _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}", launcher=LAUNCH_2,
+    _evaluate(root, out, f"eval.checkpoint={root}/run/final", f"eval.variants={VARIANTS}", launcher=launch_2(),
               env=_env(ACCELERATE_USE_CPU="1"))
     return root, out
 

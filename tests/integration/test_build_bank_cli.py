@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import LAUNCH_2, ROOT, make_examples, requires_smollm2, run_cli_here
+from conftest import ROOT, launch_2, make_examples, requires_smollm2, run_cli_here
 
 from elasticmem.bank import Bank
 
@@ -86,7 +86,7 @@ def test_two_process_build_equals_one_process(tmp_path, tiny_data, capsys):
                               f"bank.dir={tmp_path}/one"])  # in this process: no start-up cost
     # Real DDP over gloo on CPU needs ACCELERATE_USE_CPU with --multi_gpu (see DESIGN.md section 4).
     env = dict(_env(), ACCELERATE_USE_CPU="1")
-    _run([*LAUNCH_2, *common, f"bank.dir={tmp_path}/two"], env=env)
+    _run([*launch_2(), *common, f"bank.dir={tmp_path}/two"], env=env)
     one, two = Bank.open(tmp_path / "one", verify=True), Bank.open(tmp_path / "two", verify=True)
     build = two.manifest["build"]
     assert build["num_processes"] == 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elasticmem.utils.common import free_port
 from test_train import _env, _metrics, _params, _same_metrics, _train_cli, tiny_setup  # noqa: F401  (fixture)
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e .[dev])")
@@ -31,7 +32,9 @@ def _launcher(tmp_path: Path, stage: int) -> tuple[str, ...]:
         "  gradient_clipping: 1.0\n  offload_optimizer_device: none\n  offload_param_device: none\n"
         "  zero3_init_flag: false\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: false\n"
     )
-    return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg))
+    # a port of its own: the default, 29500, may be taken by a launch on the other xdist worker
+    return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+            "--main_process_port", str(free_port()))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -15,7 +15,7 @@ from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
-from conftest import LAUNCH_2, ROOT, run_cli_here
+from conftest import ROOT, launch_2, run_cli_here
 from test_train import _env, tiny_setup  # noqa: F401  (fixture)
 
 VARIANTS = ("{elasticmem: [], no_memory: [eval.system=no_memory], text_rag: [eval.system=text_rag], "
@@ -309,7 +309,7 @@ def test_a_changed_data_file_is_refused(tiny_setup, tmp_path):  # noqa: F811
 
 def test_two_processes_give_the_predictions_of_one(variants_run, tmp_path):
     root, out = variants_run
-    launcher = LAUNCH_2
+    launcher = launch_2()
     _evaluate(root, tmp_path / "two", "eval.limit=24", "eval.batch_size=5", launcher=launcher,
               env=_env(ACCELERATE_USE_CPU="1"))
     parts = sorted((tmp_path / "two").glob("predictions.part-*.jsonl"))

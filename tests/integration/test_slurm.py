@@ -35,10 +35,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, launch_2
 from test_build_bank_cli import assert_same_bank_files
 from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
-from test_train_distributed import LAUNCH_2, _assert_same_rows
+from test_train_distributed import _assert_same_rows
 
 from elasticmem.utils import checkpointing as ckpt
 from elasticmem.utils.common import free_port
@@ -203,7 +203,7 @@ def test_train_sbatch_equals_a_two_process_accelerate_launch(slurm_run, tiny_set
     out, rec = slurm_run
     direct = tmp_path / "direct"
     _train_cli(tiny_setup, direct, *TRAIN, f"train.replay_rollouts={rec}", env=_env(ACCELERATE_USE_CPU="1"),
-               launcher=LAUNCH_2)
+               launcher=launch_2())
     job, ref = _metrics(out), _metrics(direct)
     assert len(job) == STEPS and job[0]["processes"] == 2 and ref[0]["processes"] == 2
     _assert_same_rows(job, ref)

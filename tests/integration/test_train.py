@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_2, ROOT
+from conftest import ROOT, launch_2
 from safetensors.torch import load_file
 
 from elasticmem.config import load_config
@@ -296,7 +296,7 @@ def test_two_processes_equal_one_process_with_double_batch(tiny_setup, tmp_path)
     common = ("train.max_steps=1", "train.eval_split=", "train.group_size=4", "train.micro_batch_size=6",
               "train.warmup_steps=0")
     _train_cli(tiny_setup, tmp_path / "one", *common, "train.batch_size=8", f"train.record_rollouts={tmp_path}/rec")
-    launcher = LAUNCH_2
+    launcher = launch_2()
     _train_cli(tiny_setup, tmp_path / "two", *common, "train.batch_size=4", f"train.replay_rollouts={tmp_path}/rec",
                env=_env(ACCELERATE_USE_CPU="1"), launcher=launcher)
     (m1,), (m2,) = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_2, ROOT
+from conftest import ROOT, launch_2
 from safetensors.torch import load_file
 from test_train import _env, _metrics, _params, _train_cli, tiny_setup  # noqa: F401  (fixture)
 
@@ -29,7 +29,7 @@ SAME = ("time/", "processes", "distributed_type")  # keys that may differ betwee
 
 
 def _two(**extra):
-    return dict(env=_env(ACCELERATE_USE_CPU="1", **extra), launcher=LAUNCH_2)
+    return dict(env=_env(ACCELERATE_USE_CPU="1", **extra), launcher=launch_2())
 
 
 def _steps(out: Path) -> list[dict]:
@@ -164,7 +164,7 @@ def test_nonfinite_loss_on_one_process_skips_the_step_on_all(tiny_setup, tmp_pat
     script.write_text(NAN_ON_RANK_1.replace("sys.argv_overrides", repr(overrides)))
     import subprocess
 
-    p = subprocess.run([*LAUNCH_2, str(script)], cwd=ROOT, env=_env(ACCELERATE_USE_CPU="1"),
+    p = subprocess.run([*launch_2(), str(script)], cwd=ROOT, env=_env(ACCELERATE_USE_CPU="1"),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-5000:]
     rows = _steps(out)

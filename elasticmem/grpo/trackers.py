@@ -6,7 +6,7 @@ its mode: what ``WANDB_MODE`` says when set, else offline when no API key is kno
 ``WANDB_API_KEY`` nor a ``~/.netrc`` login to the W&B host), so a run never waits on a login
 prompt or a network it does not have; ``wandb sync DIR/wandb/offline-run-*`` uploads it later.
 A resumed run continues the same W&B run: its id is kept in ``train.output_dir/wandb_run_id``.
-When training returns, the run's files are complete (:func:`close_trackers`).
+When training returns, finished or stopped, the run's files are complete (:func:`close_trackers`).
 """
 
 from __future__ import annotations

@@ -314,11 +314,16 @@ def finish(run: Run, history: list[dict[str, Any]]) -> dict[str, Any]:
         if run.main:
             (out / f"eval_{t.eval_split}.json").write_text(json.dumps(ev, indent=1))
     run.acc.wait_for_everyone()
-    # always: it also destroys the process group, whose threads otherwise can abort a rank at exit
-    # ("terminate called without an active exception", about 1 launch in 6 on 2 CPU processes)
+    end(run)
+    return result
+
+
+def end(run: Run) -> None:
+    """End the trackers (their files complete) and the process group: after the last step, or a stop."""
+    # always: end_training also destroys the process group, whose threads otherwise can abort a rank
+    # at exit ("terminate called without an active exception", about 1 launch in 6 on 2 CPU processes)
     run.acc.end_training()
     close_trackers(run.cfg.train.trackers)
-    return result
 
 
 # --------------------------------------------------------------------------- the loop
@@ -357,6 +362,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 save_checkpoint(run)
             if stop_now:
                 bar.close()
+                end(run)
                 return {"stopped_at": step, "history": history}
     bar.close()
     return finish(run, history)

@@ -125,8 +125,9 @@ def test_wandb_mode_follows_the_environment_and_the_login(tmp_path):
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(tiny_setup, tmp_path, monkeypatch):
-    """2 steps, then a resume to 4: both starts log to one W&B run id (the one kept in
-    train.output_dir), and the resumed part holds steps 3 and 4, equal to metrics.jsonl."""
+    """A 4-step run stopped after 2 (train.stop_after_steps), then resumed: both starts log to one W&B
+    run id (the one kept in train.output_dir); the stopped start closed its run file whole, with
+    steps 1 and 2, and the resumed part holds steps 3 and 4, equal to metrics.jsonl."""
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[dev]' or '.[tracking]')")
     from elasticmem.grpo import trainer
     from elasticmem.grpo.trackers import RUN_ID_FILE
@@ -136,18 +137,21 @@ def test_a_resumed_run_continues_the_same_wandb_run(tiny_setup, tmp_path, monkey
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    for steps in (2, 4):
-        trainer.train(_cfg(tiny_setup, out, f"train.max_steps={steps}", "train.save_every=2", "train.eval_split=",
+    for part in ("train.stop_after_steps=2", "train.stop_after_steps=0"):
+        trainer.train(_cfg(tiny_setup, out, "train.max_steps=4", part, "train.save_every=4", "train.eval_split=",
                            "train.trackers=[wandb]"))
+        assert not [n for n in live_children(os.getpid()).values() if n.startswith("wandb")], part
     run_id = (out / RUN_ID_FILE).read_text().strip()
     # offline-run-<time>-<id>, with "-1" appended when both starts fall in the same second
     runs = sorted((out / "wandb").glob("offline-run-*"), key=lambda r: (r.name.split("-")[2], len(r.name)))
     assert len(runs) == 2 and all(r.name.split("-")[3] == run_id for r in runs), (run_id, [r.name for r in runs])
-    history = {}
-    for rec in _records(next(runs[1].glob("run-*.wandb"))):
-        if rec.WhichOneof("record_type") == "history":
-            history[rec.history.step.num] = {_key(i): json.loads(i.value_json) for i in rec.history.item}
     rows = {r["step"]: r for r in _metrics(out)}
-    assert sorted(history) == [3, 4] and sorted(rows) == [1, 2, 3, 4]
-    for step in (3, 4):
-        assert history[step]["loss"] == pytest.approx(rows[step]["loss"], rel=1e-12, abs=0), step
+    assert sorted(rows) == [1, 2, 3, 4]
+    for run, steps in zip(runs, ([1, 2], [3, 4])):
+        history = {}
+        for rec in _records(next(run.glob("run-*.wandb"))):
+            if rec.WhichOneof("record_type") == "history":
+                history[rec.history.step.num] = {_key(i): json.loads(i.value_json) for i in rec.history.item}
+        assert sorted(history) == steps, run.name
+        for step in steps:
+            assert history[step]["loss"] == pytest.approx(rows[step]["loss"], rel=1e-12, abs=0), step

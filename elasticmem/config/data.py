@@ -23,6 +23,17 @@ SYNTHETIC_VALUE_POOL = 30
 SYNTHETIC_RELATIONS = 24
 SYNTHETIC_PERSON_NAMES = 40
 SYNTHETIC_FILLER = 24
+# The persona_shift variant's per-side sizes (the smaller half of each pool; elasticmem.data.synthetic_shift_tables
+# checks them the same way).
+SYNTHETIC_SHIFT_STYLES = ("chat", "third_person", "named")
+SYNTHETIC_SHIFT_KINDS = 12
+SYNTHETIC_SHIFT_SIDE_POOL = 15
+SYNTHETIC_SHIFT_SIDE_NAMES = 40
+SYNTHETIC_SHIFT_SIDE_RELATIONS = 20
+SYNTHETIC_SHIFT_SIDE_FILLER = 12
+SYNTHETIC_SHIFT_FIELDS = ("surface_split", "surface_seed", "train_styles", "eval_styles")
+"""SyntheticConfig fields only the persona_shift variant reads (stats.json leaves them out for the other
+variants while they hold their defaults, so those variants' files stay as they were)."""
 
 
 def synthetic_fact_types(question_types: Sequence[str], num_facts: int) -> list[str]:
@@ -34,10 +45,13 @@ def synthetic_fact_types(question_types: Sequence[str], num_facts: int) -> list[
 class SyntheticConfig:
     """Knobs of the synthetic memory task (see elasticmem.data.synthetic)."""
 
-    variant: Literal["persona", "tiny"] = "persona"
+    variant: Literal["persona", "tiny", "persona_shift"] = "persona"
     """'persona': realistic multi-session chats with single_hop, multi_hop and
     knowledge_update questions. 'tiny': one session of "{letter} {key}" turns and
-    "recall {key}" questions, small enough for a tiny random model to learn by RL."""
+    "recall {key}" questions, small enough for a tiny random model to learn by RL.
+    'persona_shift': the persona task in three dialogue styles whose val and test splits
+    use sentence templates, question forms, names, relations and values that the
+    training split never uses (elasticmem.data.synthetic_shift; docs/data.md)."""
     num_histories: int = 60
     """Histories (bank groups) generated over all splits together."""
     split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
@@ -66,14 +80,29 @@ class SyntheticConfig:
     'acknowledge': a reply from a short fixed list ("Got it, I will keep that in
     mind."), the style before issue 12, whose keys encode the acknowledgement. The
     user turns, their order, the dates and the questions are the same in both styles."""
+    surface_split: bool = True
+    """persona_shift: the training split draws every template part, name, relation, value
+    and small-talk line from one half of the tables and val/test from the other half
+    (disjoint surface forms). False: every split draws from both halves (the control)."""
+    surface_seed: int = 0
+    """persona_shift: seeds the hash that splits the tables into the two halves (the same
+    halves for every data ``seed``)."""
+    train_styles: list[str] = field(default_factory=lambda: list(SYNTHETIC_SHIFT_STYLES))
+    """persona_shift: dialogue styles of the training histories, one drawn per history:
+    'chat' (user/assistant, first-person questions: "Which city did I move to?"),
+    'third_person' (the same chat with a named user, questions about that name), 'named'
+    (two named people talking, facts of either, questions about either)."""
+    eval_styles: list[str] = field(default_factory=lambda: list(SYNTHETIC_SHIFT_STYLES))
+    """persona_shift: dialogue styles of the val and test histories (e.g. ['named'] with
+    train_styles ['chat', 'third_person'] holds a style out)."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
-        _require(self.variant in ("persona", "tiny"),
-                 f"variant must be 'persona' or 'tiny', got {self.variant!r}")
+        _require(self.variant in ("persona", "tiny", "persona_shift"),
+                 f"variant must be 'persona', 'tiny' or 'persona_shift', got {self.variant!r}")
         _require(self.assistant_replies in ("engaged", "acknowledge"),
                  f"assistant_replies must be 'engaged' or 'acknowledge', got {self.assistant_replies!r}")
         _require(self.num_options in (4, 10), f"num_options must be 4 or 10, got {self.num_options!r}")
@@ -89,8 +118,10 @@ class SyntheticConfig:
         _require(self.num_facts >= 1, f"num_facts must be >= 1, got {self.num_facts}")
         if self.variant == "tiny":
             self._validate_tiny()
-        else:
+        elif self.variant == "persona":
             self._validate_persona()
+        else:
+            self._validate_shift()
 
     def _validate_tiny(self) -> None:
         _require(1 <= self.num_keys <= SYNTHETIC_TINY_KEYS,
@@ -127,6 +158,36 @@ class SyntheticConfig:
                  f"num_distractors ({self.num_distractors}) must be <= {SYNTHETIC_RELATIONS} (relations)")
         _require(0 <= self.num_filler <= SYNTHETIC_FILLER,
                  f"num_filler must be in 0..{SYNTHETIC_FILLER}, got {self.num_filler}")
+
+    def _validate_shift(self) -> None:
+        for key in ("train_styles", "eval_styles"):
+            styles = getattr(self, key)
+            _require(len(styles) >= 1 and set(styles) <= set(SYNTHETIC_SHIFT_STYLES),
+                     f"{key} must be a non-empty list of {list(SYNTHETIC_SHIFT_STYLES)}, got {styles}")
+        unknown = [t for t in self.question_types if t not in SYNTHETIC_QUESTION_TYPES]
+        _require(len(self.question_types) >= 1 and not unknown,
+                 f"question_types must be a non-empty list of {list(SYNTHETIC_QUESTION_TYPES)}, got {self.question_types}")
+        _require(self.num_distractors >= self.num_options - 1,
+                 f"num_distractors ({self.num_distractors}) must be >= num_options - 1 "
+                 f"({self.num_options - 1}) so every wrong option appears in the history")
+        _require(self.num_facts <= SYNTHETIC_SHIFT_KINDS,
+                 f"num_facts ({self.num_facts}) must be <= {SYNTHETIC_SHIFT_KINDS}, the number of fact kinds")
+        pool = SYNTHETIC_SHIFT_SIDE_POOL
+        _require(self.num_distractors + 2 <= pool,
+                 f"num_distractors ({self.num_distractors}) must be <= {pool - 2}: a fact needs num_distractors + 2 "
+                 f"distinct values and the smallest half of a value pool (persona_shift) has {pool}")
+        _require(self.num_distractors <= SYNTHETIC_SHIFT_SIDE_RELATIONS,
+                 f"num_distractors ({self.num_distractors}) must be <= {SYNTHETIC_SHIFT_SIDE_RELATIONS} (relations a side)")
+        _require(self.num_sessions >= 1, f"num_sessions must be >= 1, got {self.num_sessions}")
+        types = synthetic_fact_types(self.question_types, self.num_facts)
+        _require("knowledge_update" not in types or self.num_sessions >= 2,
+                 "knowledge_update needs num_sessions >= 2 (the old value goes in an earlier session)")
+        people = types.count("multi_hop") * (self.num_distractors + 1)
+        _require(people <= min(SYNTHETIC_SHIFT_SIDE_RELATIONS, SYNTHETIC_SHIFT_SIDE_NAMES - 2),
+                 f"{types.count('multi_hop')} multi_hop facts x (num_distractors + 1) = {people} linked people, more "
+                 f"than the {SYNTHETIC_SHIFT_SIDE_RELATIONS} relations a side has; lower num_distractors or num_facts")
+        _require(0 <= self.num_filler <= SYNTHETIC_SHIFT_SIDE_FILLER,
+                 f"num_filler must be in 0..{SYNTHETIC_SHIFT_SIDE_FILLER} (persona_shift), got {self.num_filler}")
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The task's tables (the persona categories with their value pools and templates, the tiny variant's
 words) are ``elasticmem.data.synthetic_tables``; this module is the generator that reads them.
 
-Two variants share one config (``SyntheticConfig``) and one output format
+Three variants share one config (``SyntheticConfig``) and one output format
 (the example schema of ``elasticmem.data.schema``, split by history so no
 history is shared between train, val and test):
 
@@ -36,6 +36,10 @@ history is shared between train, val and test):
   (1/num_options). ``num_facts`` of 4 to 8 and ``num_keys`` of 16 (the
   defaults suit it) keep the word vocabulary at ``len(VOCABULARY)`` words.
 
+* ``persona_shift`` (``elasticmem.data.synthetic_shift``): the persona task in three dialogue
+  styles whose val and test splits use sentence templates, question forms, names, relations and
+  values the training split never uses, so a learned map cannot reach them by template matching.
+
 Write the splits with ``write_synthetic(cfg, seed, out_dir)``; test with::
 
     pytest tests/unit/test_synthetic.py
@@ -48,16 +52,17 @@ import json
 import os
 import random
 from collections import Counter
-from dataclasses import dataclass
-from datetime import date, timedelta
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 # The knobs (SyntheticConfig) and the limits they are checked against live on the ground floor.
 from elasticmem.config import SPLITS, SyntheticConfig
 from elasticmem.config import synthetic_fact_types as _fact_types
+from elasticmem.config.data import SYNTHETIC_SHIFT_FIELDS
 from elasticmem.data.chunking import chunk_history
 from elasticmem.data.schema import Example, Turn, write_examples
+from elasticmem.data.synthetic_parts import _place, _Question, _session_dates, _shuffled_choices, _Topic, _Unit
+from elasticmem.data.synthetic_shift import shift_history
 from elasticmem.data.synthetic_tables import (
     ACKNOWLEDGEMENTS,
     FACT_OPENERS,
@@ -84,42 +89,6 @@ SOURCE = "synthetic"
 # --------------------------------------------------------------------------- building blocks
 
 
-@dataclass
-class _Question:
-    """A question before placement: evidence points at (unit, position-in-unit) utterances."""
-
-    question: str
-    choices: list[str]
-    answer_index: int
-    question_type: str
-    evidence: list[tuple[int, int]]
-
-
-@dataclass(frozen=True)
-class _Topic:
-    """What a user utterance is about, for the assistant's engaged reply.
-
-    kind 'fact': ``category`` and ``value``; 'link': ``relation`` and ``name``;
-    'filler': the small-talk line in ``value``.
-    """
-
-    kind: Literal["fact", "link", "filler"]
-    category: str = ""
-    value: str = ""
-    relation: str = ""
-    name: str = ""
-
-
-@dataclass
-class _Unit:
-    """One or two user utterances; a pair keeps its order (strict: in a later session)."""
-
-    texts: tuple[str, ...]
-    strict: bool = False
-    topics: tuple[_Topic, ...] = ()
-    """One per text: what the assistant's engaged reply to it talks about."""
-
-
 def _fact(cat: Category, subject: str, value: str, template: str | None = None) -> tuple[str, _Topic]:
     """A fact's user utterance and its topic; ``subject`` is "I", "My {relation}" or a name,
     ``template`` defaults to the category's statement."""
@@ -136,11 +105,6 @@ def _engaged_reply(topic: _Topic, rng: random.Random) -> str:
     opener = rng.choice(FACT_OPENERS[topic.category]).format(**fields)
     return f"{opener} {rng.choice(REPLY_CLOSERS).format(**fields)}"
 
-
-def _shuffled_choices(gold: str, wrong: Sequence[str], rng: random.Random) -> tuple[list[str], int]:
-    choices = [gold, *wrong]
-    rng.shuffle(choices)
-    return choices, choices.index(gold)
 
 
 def _persona_fact(
@@ -182,38 +146,6 @@ def _persona_fact(
     choices, answer_index = _shuffled_choices(gold, wrong, rng)
     return units, _Question(question, choices, answer_index, qtype, evidence)
 
-
-def _place(units: Sequence[_Unit], num_sessions: int, rng: random.Random) -> list[list[tuple[int, int]]]:
-    """Spread units over sessions; returns per session the (unit, position) ids in turn order.
-
-    A pair's first utterance precedes its second: a strict pair (an old value and
-    its update) spans two sessions, a loose pair (multi-hop link, then statement)
-    may share one.
-    """
-    slots: list[tuple[int, float, int, int]] = []
-    for ui, unit in enumerate(units):
-        if len(unit.texts) == 1:
-            sessions = [rng.randrange(num_sessions)]
-        elif unit.strict:
-            sessions = sorted(rng.sample(range(num_sessions), 2))
-        else:
-            sessions = sorted(rng.randrange(num_sessions) for _ in unit.texts)
-        keys = sorted(rng.random() for _ in unit.texts)
-        slots.extend((s, k, ui, pi) for pi, (s, k) in enumerate(zip(sessions, keys)))
-    slots.sort()
-    placed: list[list[tuple[int, int]]] = [[] for _ in range(num_sessions)]
-    for s, _, ui, pi in slots:
-        placed[s].append((ui, pi))
-    return placed
-
-
-def _session_dates(num_sessions: int, rng: random.Random) -> list[str]:
-    day = date(2023, 1, 1) + timedelta(days=rng.randrange(365))
-    dates = []
-    for _ in range(num_sessions):
-        dates.append(day.isoformat())
-        day += timedelta(days=rng.randint(1, 30))
-    return dates
 
 
 def _persona_history(
@@ -290,12 +222,17 @@ def split_sizes(num_histories: int, fractions: Sequence[float]) -> list[int]:
     return sizes
 
 
-def _history_examples(cfg: SyntheticConfig, seed: int, h: int) -> list[Example]:
+def _history_examples(cfg: SyntheticConfig, seed: int, h: int, split: str = "train") -> list[Example]:
     # One rng per history (seeded by a string, which Python hashes deterministically),
-    # so a history does not change when num_histories or the fractions do.
+    # so a history does not change when num_histories or the fractions do (persona_shift:
+    # as long as it stays in its split, which picks its surface forms and styles).
     rng = random.Random(f"elasticmem-synthetic/{cfg.variant}/{seed}/{h}")
+    added: dict[str, Any] = {}
     if cfg.variant == "tiny":
         history, questions = _tiny_history(cfg, rng)
+    elif cfg.variant == "persona_shift":
+        reply_rng = random.Random(f"elasticmem-synthetic/{cfg.variant}/{seed}/{h}/replies")
+        history, questions, added = shift_history(cfg, split, rng, reply_rng)
     else:
         reply_rng = random.Random(f"elasticmem-synthetic/{cfg.variant}/{seed}/{h}/replies")
         history, questions = _persona_history(cfg, rng, reply_rng)
@@ -311,7 +248,7 @@ def _history_examples(cfg: SyntheticConfig, seed: int, h: int) -> list[Example]:
             history=history,
             group=group,
             answer_text=q.choices[q.answer_index],
-            extra={"evidence": [list(e) for e in q.evidence]},
+            extra={"evidence": [list(e) for e in q.evidence], **added},
         )
         for qi, q in enumerate(questions)
     ]
@@ -324,7 +261,7 @@ def generate(cfg: SyntheticConfig, seed: int) -> dict[str, list[Example]]:
     out: dict[str, list[Example]] = {}
     start = 0
     for split, n in zip(SPLITS, sizes):
-        out[split] = [ex for h in range(start, start + n) for ex in _history_examples(cfg, seed, h)]
+        out[split] = [ex for h in range(start, start + n) for ex in _history_examples(cfg, seed, h, split)]
         start += n
     return out
 
@@ -342,6 +279,18 @@ def split_stats(examples: Sequence[Example]) -> dict[str, Any]:
     }
 
 
+def _config_record(cfg: SyntheticConfig) -> dict[str, Any]:
+    """The config as stats.json records it: the persona_shift-only fields are left out for the other
+    variants while they hold their defaults, so those variants' stats.json stay as they were."""
+    record = dataclasses.asdict(cfg)
+    if cfg.variant != "persona_shift":
+        default = dataclasses.asdict(SyntheticConfig())
+        for key in SYNTHETIC_SHIFT_FIELDS:
+            if record[key] == default[key]:
+                del record[key]
+    return record
+
+
 def write_synthetic(cfg: SyntheticConfig, seed: int, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Write OUT_DIR/{train,val,test}.jsonl and OUT_DIR/stats.json; returns the stats."""
     out = Path(out_dir)
@@ -352,7 +301,7 @@ def write_synthetic(cfg: SyntheticConfig, seed: int, out_dir: str | os.PathLike)
         "source": SOURCE,
         "variant": cfg.variant,
         "seed": seed,
-        "config": dataclasses.asdict(cfg),
+        "config": _config_record(cfg),
         "splits": {split: split_stats(examples) for split, examples in splits.items()},
     }
     (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")

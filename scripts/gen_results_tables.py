@@ -3,6 +3,7 @@
     python scripts/gen_results_tables.py           # rewrite every marked table in README.md, docs/, benchmarks/README.md
     python scripts/gen_results_tables.py --check   # exit 1 naming each marked table that differs from its file
     python scripts/gen_results_tables.py --print NAME   # the table NAME would get, to paste between new markers
+    python scripts/gen_results_tables.py --verify FILE.json ...   # re-score the predictions these files name
 
 A table is marked in the Markdown by the results file it comes from (NAME = its path under
 docs/results/ without ``.json``)::
@@ -20,6 +21,17 @@ or the difference the other way round), e.g. ``{paired[x][difference]:npct+.1f}`
 1000 (seconds as milliseconds); and the format ``met`` writes a boolean acceptance as ``met`` or
 ``**missed**`` (``{acceptance[append_ratio][met]:met}``), so that a verdict follows its numbers.
 A numeric key of a JSON object reads as the string it is (``{refused[429]}``).
+
+Re-scored figures: a results file may name the predictions a figure comes from, ``predictions``:
+``{LABEL: {"path", "sha256", "accuracy", "num_options", "scorer", "figure"}}`` (the path relative
+to the repository or absolute; ``accuracy`` the published figure, unrounded; ``figure`` optionally
+the dotted path in ``data`` that shows it). Every time a table is rendered, checked or printed,
+each such file is re-scored from its answers' text with the project's own parser
+(``elasticmem.eval.rescore``: ``parse_option_letter`` against the gold letter, or exact match),
+and the generator refuses (exit 2, naming the file and both figures) when the sha256 or the
+re-scored accuracy differs. ``elasticmem.eval.rescore.check_predictions`` is the same check from
+Python. A figure that changed may say so in an optional ``changed`` list of ``{"figure", "was",
+"now", "why"}`` (checked for its shape, rendered nowhere: say it in the page's text too).
 """
 
 from __future__ import annotations
@@ -78,7 +90,22 @@ def load(name: str) -> dict:
     for key in ("command", "commit", "provenance", "data", "table"):
         if key not in spec:
             raise ValueError(f"{path.relative_to(REPO)}: missing '{key}'")
+    verify(spec, path)
     return spec
+
+
+def verify(spec: dict, path: Path) -> list[dict]:
+    """Re-score the predictions ``spec`` names and check its ``changed`` list (nothing to do for a
+    file without them); raises ``elasticmem.eval.rescore.RescoreError`` naming ``path`` and both figures."""
+    if "predictions" not in spec and "changed" not in spec:
+        return []
+    from elasticmem.eval.rescore import check_predictions
+
+    try:
+        where = str(path.resolve().relative_to(REPO))
+    except ValueError:
+        where = str(path)
+    return check_predictions(spec, REPO, where=where)
 
 
 def render(spec: dict) -> str:
@@ -107,22 +134,39 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare, write nothing")
     ap.add_argument("--print", metavar="NAME", help="print the table of docs/results/NAME.json")
+    ap.add_argument("--verify", metavar="FILE", nargs="+", help="re-score the predictions these results files name")
     args = ap.parse_args(argv)
-    if args.print:
-        sys.stdout.write(render(load(args.print)))
-        return 0
+    from elasticmem.eval.rescore import RescoreError
+
+    try:
+        if args.verify:
+            for f in args.verify:
+                for c in verify(json.loads(Path(f).read_text()), Path(f)):
+                    print(f"{f}: {c['label']}: {c['path']} re-scores to {c['rescored']!r} (n = {c['n']}), "
+                          "as published")
+            return 0
+        if args.print:
+            sys.stdout.write(render(load(args.print)))
+            return 0
+        return _regenerate_all(args.check)
+    except RescoreError as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
+
+
+def _regenerate_all(check: bool) -> int:
     stale = []
     for path in published_files():
         text = path.read_text()
         new = regenerate(text)
         if new != text:
             stale.append(path)
-            if not args.check:
+            if not check:
                 path.write_text(new)
     for path in stale:
-        verb = "differs from its results files" if args.check else "rewritten"
-        print(f"{path.relative_to(REPO)}: {verb}", file=sys.stderr if args.check else sys.stdout)
-    return 1 if (args.check and stale) else 0
+        verb = "differs from its results files" if check else "rewritten"
+        print(f"{path.relative_to(REPO)}: {verb}", file=sys.stderr if check else sys.stdout)
+    return 1 if (check and stale) else 0
 
 
 if __name__ == "__main__":

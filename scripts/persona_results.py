@@ -4,8 +4,14 @@
     python scripts/gen_results_tables.py          # then the marked tables in docs/ follow the files
 
 Reads ``OUT/s*/ladder`` (each seed's reading ladder, with ``no_memory_trained/`` and
-``text_trained/`` beside its rungs, as ``scripts/persona_recipe.sh`` leaves them), pools the
-seeds with ``elasticmem.eval.ladder.pool`` and writes four files under ``docs/results/recipe/``
+``text_trained/`` beside its rungs, as ``scripts/persona_recipe.sh`` leaves them), re-scores
+every answer from its text (``elasticmem.eval.rescore.rescore_file``: the option letter parsed
+with the evaluation's own rule against the gold letter, ``--num-options`` options; the stored
+``correct`` flags are not read), pools the seeds per question with ``elasticmem.eval.ladder.pool``
+(each question's mean over the seeds, n = the questions, bootstrap intervals over questions; the
+cells say "n = 336 questions x 3 seeds"), recounts each seed's losses and cost dial with
+``elasticmem.eval.ladder.ladder_data`` from the same re-scored outcomes, and writes four files
+under ``docs/results/recipe/``
 (``--results`` elsewhere): ``persona_rungs`` (each rung and control per seed and pooled),
 ``persona_comparisons`` (ElasticMem against each, paired per seed, pooled and over seeds),
 ``persona_losses`` (where accuracy is lost, per seed) and ``persona_cost_dial``. A seed that lacks
@@ -34,10 +40,24 @@ ROWS = (  # (folder, label): the rungs of the ladder, then the two controls trai
     ("no_memory_trained", "no-memory reasoner, same recipe (control)"),
     ("text_trained", "text memory, same recipe (control)"),
 )
+NUM_OPTIONS = 4
+"""Options per question of the persona task (configs/persona_recipe.yaml data.synthetic.num_options):
+the re-scoring parses only these option letters, as the evaluation did."""
+
 AGAINST = (("latent_uniform", "the same checkpoint, uniform budgets"),
            ("no_memory", "the same checkpoint, nothing retrieved"),
            ("latent_oracle", "the same checkpoint, oracle budgets"),
            ("no_memory_trained", "the no-memory reasoner, same recipe"), ("text_trained", "text memory, same recipe"))
+
+
+def pooling_text() -> str:
+    """How every pooled figure of the four files was pooled (their ``pooling`` field)."""
+    from elasticmem.eval.stats import BOOTSTRAP_SEED, RESAMPLES
+
+    return ("per question: each question's mean correctness over the seeds (its mean difference, paired), "
+            f"n = the questions; 95 % percentile bootstrap over questions ({RESAMPLES} resamples, seed "
+            f"{BOOTSTRAP_SEED}), paired for differences; p: sign-flip permutation test over questions; every "
+            "outcome re-scored from the answer text")
 
 
 def _clean(x: Any) -> Any:
@@ -61,13 +81,29 @@ def _diff(path: str, p: bool = True) -> str:
     return cell + (f", p = {{{path}[p_value]:.2g}}" if p else "")
 
 
-def tables(out: Path, seeds: list[str]) -> dict[str, dict[str, Any]]:
-    """``{name: (data, table)}`` of the four results files, from ``out/s{seed}/ladder``."""
-    from elasticmem.eval.ladder import pool
+def _size(path: str, seeds: int) -> str:
+    """How a pooled cell was pooled: its questions and seeds (``seeds``: for the plural only)."""
+    return f"n = {{{path}[n]}} questions x {{{path}[seeds]}} seed" + ("s" if seeds != 1 else "")
+
+
+def rung_folders(ladder: Path) -> list[str]:
+    """The folders of a ladder holding a finished evaluation (rungs, cost dial, controls)."""
+    return sorted(p.name for p in ladder.iterdir()
+                  if (p / "results.json").is_file() and (p / "predictions.jsonl").is_file())
+
+
+def tables(out: Path, seeds: list[str], num_options: int = NUM_OPTIONS) -> dict[str, dict[str, Any]]:
+    """``{name: (data, table)}`` of the four results files, from ``out/s{seed}/ladder``, every
+    outcome re-scored from the answer text with ``num_options`` options."""
+    from elasticmem.eval.ladder import ladder_data, pool
+    from elasticmem.eval.rescore import rescore_file
+
+    def rescored(path: Path) -> dict[str, bool]:
+        return rescore_file(path, num_options, "mc_letter")
 
     dirs = [out / f"s{s}" / "ladder" for s in seeds]
-    pooled = pool([str(d) for d in dirs], [(a, "latent_learned") for a, _ in AGAINST])
-    ladders = {str(d): json.loads((d / "ladder.json").read_text()) for d in dirs}
+    pooled = pool([str(d) for d in dirs], [(a, "latent_learned") for a, _ in AGAINST], correct_of=rescored)
+    ladders = {str(d): ladder_data(d, rung_folders(d), correct_of=rescored) for d in dirs}
 
     def seed_cells(entry: dict[str, Any], key: str, cell) -> list[str]:
         have = {d: i for i, d in enumerate(entry["dirs"])}
@@ -80,10 +116,11 @@ def tables(out: Path, seeds: list[str]) -> dict[str, dict[str, Any]]:
     header = ["", *[f"seed {s}" for s in seeds]]
 
     rung_rows = [[label, *seed_cells(rungs[n], f"rungs[{n}]", _acc),
-                  _acc(f"rungs[{n}][pooled]") + f", n = {{rungs[{n}][pooled][n]}}",
+                  _acc(f"rungs[{n}][pooled]") + ", " + _size(f"rungs[{n}][pooled]", rungs[n]["pooled"]["seeds"]),
                   f"{{rungs[{n}][pooled][memory_tokens]:.1f}}"] for n, label in ROWS if n in rungs]
     cmp_rows = [[label, *seed_cells(comparisons[f"vs_{a}"], f"comparisons[vs_{a}]", _diff),
-                 _diff(f"comparisons[vs_{a}][pooled]") + f", n = {{comparisons[vs_{a}][pooled][n]}}",
+                 _diff(f"comparisons[vs_{a}][pooled]") + ", "
+                 + _size(f"comparisons[vs_{a}][pooled]", comparisons[f"vs_{a}"]["pooled"]["seeds"]),
                  (_diff(f"comparisons[vs_{a}][by_seed]", p=False)
                   if comparisons[f"vs_{a}"]["by_seed"]["difference_ci"] else "one seed")]
                 for a, label in AGAINST if f"vs_{a}" in comparisons]
@@ -104,16 +141,19 @@ def tables(out: Path, seeds: list[str]) -> dict[str, dict[str, Any]]:
     seeds_word = "seeds " + ", ".join(s for s, _ in dial_seeds)
     return {
         "persona_rungs": {"data": {"rungs": rungs},
-                          "table": {"header": ["rung (after GRPO)", *header[1:], f"pooled over {len(seeds)} seeds",
+                          "table": {"header": ["rung (after GRPO)", *header[1:],
+                                               f"pooled per question over {len(seeds)} seeds",
                                                "memory tokens"], "rows": rung_rows}},
         "persona_comparisons": {"data": {"comparisons": comparisons},
-                                "table": {"header": ["ElasticMem against", *header[1:], "pooled",
+                                "table": {"header": ["ElasticMem against", *header[1:], "pooled per question",
                                                      "mean over seeds [t interval]"], "rows": cmp_rows}},
         "persona_losses": {"data": {"losses": losses},
                            "table": {"header": ["where accuracy is lost", *header[1:]], "rows": loss_rows}},
         "persona_cost_dial": {"data": {"rungs": dial_rungs, "dial": dial},
-                              "table": {"header": ["cap (tokens a question)", f"learned ({seeds_word} pooled)",
-                                                   "learned: memory tokens", f"uniform ({seeds_word} pooled)",
+                              "table": {"header": ["cap (tokens a question)",
+                                                   f"learned ({seeds_word} pooled per question)",
+                                                   "learned: memory tokens",
+                                                   f"uniform ({seeds_word} pooled per question)",
                                                    *[f"learned - uniform, seed {s}" for s, _ in dial_seeds]],
                                         "rows": dial_rows}},
     }
@@ -125,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated (default: every OUT/s*/ladder/ladder.json)")
     ap.add_argument("--commit", required=True, help="the commit the runs were made with")
     ap.add_argument("--results", type=Path, default=REPO / "docs" / "results" / "recipe", help="where to write")
+    ap.add_argument("--num-options", type=int, default=NUM_OPTIONS,
+                    help=f"options per question, for re-scoring the answers' text (default {NUM_OPTIONS})")
     args = ap.parse_args(argv)
     seeds = (args.seeds.split(",") if args.seeds else
              sorted(p.parent.parent.name[1:] for p in args.out.glob("s*/ladder/ladder.json")))
@@ -133,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"OUT={args.out} SEEDS=\"{' '.join(seeds)}\" bash scripts/persona_recipe.sh; "
                f"python scripts/persona_results.py {args.out} --commit {args.commit}")
     args.results.mkdir(parents=True, exist_ok=True)
-    for name, spec in tables(args.out, seeds).items():
+    from elasticmem.eval.provenance import file_sha256
+
+    inputs = {str(p.relative_to(args.out)): file_sha256(p) for s in seeds
+              for p in sorted((args.out / f"s{s}" / "ladder").glob("*/predictions.jsonl"))}
+    for name, spec in tables(args.out, seeds, args.num_options).items():
         spec = {"command": command, "commit": args.commit,
-                "provenance": f"{args.out}/s{{{','.join(seeds)}}}/ladder (pooled by elasticmem.eval.ladder.pool; "
-                              "NaN written as null)", "data": _clean(spec["data"]), "table": spec["table"]}
+                "provenance": f"{args.out}/s{{{','.join(seeds)}}}/ladder (answers re-scored from their text, "
+                              f"{args.num_options} options; pooled per question by elasticmem.eval.ladder.pool; "
+                              "NaN written as null)",
+                "pooling": pooling_text(), "inputs": inputs, "data": _clean(spec["data"]), "table": spec["table"]}
         (args.results / f"{name}.json").write_text(json.dumps(spec, indent=1) + "\n")
         print(f"wrote {args.results / name}.json")
     return 0

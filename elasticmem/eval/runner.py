@@ -16,6 +16,10 @@ carries its example's fingerprint. A folder holding predictions of another
 identity, or of examples whose data changed, is refused (``OutputDirError``)
 unless ``overwrite`` deletes them first. The limit, batch size and number of
 processes are not part of the identity: a larger limit reuses the answered prefix.
+
+``results.json`` records its ``provenance`` (``elasticmem.eval.provenance``): the code's git
+commit and dirty flag, the resolved config's hash, and content hashes of the bank manifest,
+retrieval map, checkpoint and predictions it came from.
 """
 
 from __future__ import annotations
@@ -249,15 +253,31 @@ def evaluate(
     _barrier(state)
     if not main:
         return None
+    from elasticmem.eval.provenance import evaluation_provenance
+
+    # hashed after answering: a streamed bank has grown to what the last question read
+    prov = evaluation_provenance(config, bank_dir=_bank_dir(system))
     return finalize(out, examples, system.name, meta or {}, case_studies=case_studies, plots=plots,
-                    results_options=results_options)
+                    results_options=results_options, provenance=prov)
+
+
+def _bank_dir(system: Any) -> Path | None:
+    """The folder of the bank ``system`` read (its model's), or None for a system without one
+    (A-Mem, Mem0 and LangMem keep their own memories)."""
+    root = getattr(getattr(getattr(system, "model", None), "bank", None), "root", None)
+    return None if root is None else Path(root)
 
 
 def finalize(out: Path, examples: Sequence[Example], name: str, meta: dict[str, Any], *,
              case_studies: int = 5, plots: bool = True,
-             results_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Merge the part files, check completeness, write every output; returns results.json's dict."""
+             results_options: dict[str, Any] | None = None,
+             provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge the part files, check completeness, write every output; returns results.json's dict.
+
+    ``provenance``: ``elasticmem.eval.provenance.evaluation_provenance`` of the run (None = the
+    code's alone, without config or inputs); the merged ``predictions.jsonl``'s sha256 is added."""
     from elasticmem.eval import report
+    from elasticmem.eval.provenance import evaluation_provenance, file_sha256
 
     done = read_parts(out)
     missing = [ex.id for ex in examples if ex.id not in done]
@@ -273,6 +293,8 @@ def finalize(out: Path, examples: Sequence[Example], name: str, meta: dict[str, 
     results = metrics.build_results(records, system=name, **(results_options or {}))
     results.update(meta)
     results["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    prov = dict(provenance) if provenance is not None else evaluation_provenance(None)
+    results["provenance"] = {**prov, "predictions_sha256": file_sha256(out / "predictions.jsonl")}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     report.write_report(results, out / "report.md", title=f"{name}: {meta.get('split', '')}".rstrip(": "))
     if plots and any(r["budgets"] for r in records):

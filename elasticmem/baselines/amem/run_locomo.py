@@ -258,6 +258,12 @@ def run(cfg: LoCoMoRunConfig, system=None) -> dict[str, Any]:
                                      with_meteor=cfg.with_meteor, with_sbert=cfg.with_sbert)
     stats = system.stats()
     summary = {"system": system.name, "data": info, "build_seconds": build_s, "amem": stats, **results}
+    from elasticmem.eval.provenance import evaluation_provenance, file_entry, file_sha256
+
+    # A-Mem reads no bank, map or checkpoint: the code, the config and the LoCoMo file it read
+    summary["provenance"] = {**evaluation_provenance(cfg), "input": file_entry(cfg.input),
+                             "predictions_sha256": {fmt: file_sha256(out_dir / f"predictions_{fmt}.jsonl")
+                                                    for fmt in results}}
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2, default=float))
     setting = (f"LLM: {cfg.amem.llm.backend}:{cfg.amem.llm.model}; ablation: {cfg.amem.ablation}; sessions: "
                f"{cfg.amem.max_sessions or 'all'}; turns: {cfg.amem.max_turns or 'all'}")

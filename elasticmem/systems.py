@@ -136,7 +136,7 @@ class ElasticMemSystem:
 
         model = self.model
         kw = {}
-        if self.memories != "retrieved" or self.budgets != "policy":
+        if self.memories == "evidence" or self.budgets == "oracle":
             from elasticmem.eval.retrieval import evidence_rows
 
             evidence = [evidence_rows(ex, model.bank) for ex in examples]
@@ -146,6 +146,8 @@ class ElasticMemSystem:
                                  f"evidence chunks; {missing} record none (extra.evidence)")
             kw = dict(budgets=self.budgets, evidence=evidence,
                       memories=evidence if self.memories == "evidence" else None)
+        elif self.budgets != "policy":  # a rule: it reads the retrieval's ranks and scores, not the evidence
+            kw = dict(budgets=self.budgets)
         with torch.no_grad():
             traj = model.greedy(list(examples), memo=None if kw else self._memo, **kw)
         n = len(examples)

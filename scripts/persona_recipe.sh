@@ -83,9 +83,16 @@ for s in $SEEDS; do
   if has elasticmem; then
     caps=()
     [ "$s" = "$first" ] && [ -n "$CAPS" ] && caps=(--caps "$CAPS")
+    # the text rungs are read by the text arm's reader (trained on text), not the latent one
+    text_ckpt=()
+    if [ -e "$run/text/train/final" ]; then
+      text_ckpt=(ladder.text_checkpoint="$run/text/train/final")
+    else
+      echo "[recipe] seed $s: no text arm yet ($run/text/train/final): the ladder's text rungs read with the latent checkpoint" >&2
+    fi
     stage "seed $s: ladder" "$run/ladder/ladder.md" python -m elasticmem.eval.ladder --config "$CONFIG" \
       "${common[@]}" seed="$s" eval.checkpoint="$run/elasticmem/train/final" eval.output_dir="$run/ladder" \
-      "${caps[@]}" "$@"
+      "${caps[@]}" "${text_ckpt[@]}" "$@"
   fi
   for arm in no_memory text; do
     has "$arm" || continue

@@ -132,6 +132,10 @@ class BudgetPolicyConfig:
     policy's expected budget E[b_j]; ties by rank) until the cap, the memory that crosses it is
     trimmed to what is left and the rest get 0, so the lowest-value memories are cut first.
     Applied after clip_budget; sampling for training is unchanged. null = no cap."""
+    score_gap: float = 0.05
+    """The 'gap' rule's delta (eval.budgets=gap, a simple rule in place of the policy):
+    max_budget for every retrieved memory whose retrieval score is at least the best score minus
+    this, 0 for the others. The reading ladder chooses it on the validation split."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +161,7 @@ class BudgetPolicyConfig:
                      f"uniform_budget ({self.uniform_budget}) must lie in min_budget..max_budget "
                      f"({self.min_budget}..{self.max_budget})")
         _require(self.token_cap is None or self.token_cap >= 0, f"token_cap must be >= 0, got {self.token_cap}")
+        _require(self.score_gap >= 0, f"score_gap must be >= 0, got {self.score_gap}")
         if self.clip_budget is not None:
             _require(self.clip_budget >= self.min_budget,
                      f"clip_budget ({self.clip_budget}) must be >= min_budget ({self.min_budget}): "

@@ -5,6 +5,7 @@ evaluation, ALFWorld episodes and the supervised reading warm-up, with the loss'
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -280,12 +281,15 @@ class EvalConfig:
     (each question's evidence chunks alone, in place of retrieval: reading measured apart from
     retrieval and budgets; data that record evidence only). A diagnostic of the reading ladder
     (``python -m elasticmem.eval.ladder``)."""
-    budgets: Literal["policy", "max", "oracle"] = "policy"
+    budgets: str = "policy"
     """How an ElasticMem system's latent budgets are set at evaluation: 'policy' (the learned
     policy's argmax: the method); 'max' (memory.policy.max_budget for every memory: uniform
     budgets; under memory.policy.token_cap the cap shared out evenly); 'oracle' (max_budget for
     the question's evidence chunks, 0 for the other memories: what a perfect allocator gives,
-    data that record evidence only). Diagnostics of the reading ladder."""
+    data that record evidence only); the simple rules a learned policy has to beat: 'topK'
+    ('top1', 'top2', ...: max_budget for the K best-ranked memories, 0 for the others) and 'gap'
+    (max_budget for every memory whose retrieval score is within memory.policy.score_gap of the
+    best). Under memory.policy.token_cap 'oracle' and the rules keep their memories by rank."""
     case_studies: int = 5
     """Examples dumped to case_study.md with question, gold, prediction and the retrieved chunks'
     text, rank, score and budget."""
@@ -304,6 +308,12 @@ class EvalConfig:
     after the session its evidence ends in (extra.evidence; without evidence: after the last
     session); 'all' adds every session that way before asking (answers equal 'off's). The
     streamed bank is kept in the output folder (stream_bank-<process>); bank.dir is not read."""
+
+    def __post_init__(self) -> None:
+        # the rule family 'topK' is open-ended, so budgets is a str checked here, not a Literal
+        _require(self.budgets in ("policy", "max", "oracle", "gap") or re.fullmatch(r"top[1-9][0-9]*", self.budgets),
+                 f"budgets must be 'policy', 'max', 'oracle', 'gap' or 'topK' (K >= 1, e.g. top2), "
+                 f"got {self.budgets!r}")
 
 
 @dataclass

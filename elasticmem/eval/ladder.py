@@ -13,7 +13,12 @@ latent_evidence     the evidence chunks alone, latent, max_budget each
 latent_uniform      its own top-Z retrieval, latent, max_budget each (uniform budgets)
 latent_oracle       the same top-Z, max_budget for the evidence chunks and 0 for the others
 latent_learned      the same top-Z at the learned policy's budgets: ElasticMem
+rule_top1, 2, 4     the same top-Z, max_budget for the K best-ranked, 0 for the others (K < Z)
+rule_gap            the same top-Z, max_budget for each memory whose score is within the gap of
+                    the best; the gap chosen on the validation split (``ladder.gaps``)
+rule_spread         the same top-Z, the learned rung's mean memory tokens shared out evenly
 text_topz           the same top-Z as text
+text_top1, 2, 4, 8  the same retrieval's top 1, 2, 4 and 8 as text (K != Z)
 ==================  ===========================================================================
 
 Each row gives accuracy with n and its 95 % Wilson interval, memory tokens, the paired difference
@@ -23,7 +28,11 @@ latent_evidence), distraction (latent_evidence - latent_uniform), retrieval and 
 (latent_oracle is what a perfect allocator gets from these memories; latent_learned - latent_oracle
 what the policy loses). With ``--caps``, the cost dial: the learned policy under
 ``memory.policy.token_cap`` (its lowest-value memories cut first) against uniform budgets at the
-same cap (the cap shared out evenly), at each cap.
+same cap (the cap shared out evenly), at each cap, and (``ladder.rules_at_caps``) the other rules
+under each cap. ``ladder.md`` ends with the learned budgets against the best rule at equal or fewer
+memory tokens and the best rule under each cap (paired), and the distribution of the learned
+budget vectors (``elasticmem.eval.budget_rules``). With ``--text-checkpoint`` (the recipe's text
+arm) the text rungs are read by a reader trained on text.
 
     python -m elasticmem.eval.ladder --config configs/persona_recipe.yaml eval.checkpoint=RUN/final \\
         eval.output_dir=RUN/ladder [--text-checkpoint TEXT_RUN/final] [--caps 8,16,32,64] [key=value ...]
@@ -33,8 +42,9 @@ Each flag of the ladder is also a ``ladder.KEY=VALUE`` argument (``ladder.caps=8
 of ``pool`` a ``pool.KEY=VALUE`` one (``pool.out=FILE``); ``--help`` lists them.
 
 Writes ``ladder.md`` and ``ladder.json`` in ``eval.output_dir``. ``pool`` compares rungs over
-several seeds' ladders: per seed and pooled over all (seed, question) pairs, and the mean over
-seeds with its t interval, paired by seed.
+several seeds' ladders: per seed, pooled per question (each question's mean over the seeds, n =
+questions, a bootstrap interval over questions), and the mean over seeds with its t interval,
+paired by seed. ``ladder.json`` records its ``provenance`` (``elasticmem.eval.provenance``).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from elasticmem.utils.options import Flag, Options
 
@@ -55,6 +65,9 @@ class Rung:
     reads: str
     text: bool = False
     """A text rung: evaluated with ``--text-checkpoint`` when one is given."""
+    derived: bool = False
+    """Its settings come from other rungs (the gap chosen on validation, the learned policy's
+    mean total): evaluated after them (``elasticmem.eval.budget_rules``)."""
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -64,7 +77,17 @@ RUNGS: tuple[Rung, ...] = (
     Rung("latent_uniform", ("eval.budgets=max",), "top-Z, latent, B_max each"),
     Rung("latent_oracle", ("eval.budgets=oracle",), "top-Z, latent, B_max for evidence, 0 for others"),
     Rung("latent_learned", (), "top-Z, latent, the learned budgets (ElasticMem)"),
+    # the simple rules the learned budgets have to beat, each at its own cost (top-K for K < Z)
+    *(Rung(f"rule_top{k}", (f"eval.budgets=top{k}",), f"top-Z, latent, B_max for the top {k}, 0 for the others")
+      for k in (1, 2, 4)),
+    Rung("rule_gap", ("eval.budgets=gap",), "top-Z, latent, B_max for each memory within the score gap "
+         "(chosen on validation) of the best", derived=True),
+    Rung("rule_spread", ("eval.budgets=max",), "top-Z, latent, the learned budgets' mean total shared out evenly",
+         derived=True),
     Rung("text_topz", ("eval.system=text_rag",), "top-Z, as text", True),
+    # text reading at other depths of the same retrieval (for K != Z), read by ladder.text_checkpoint
+    *(Rung(f"text_top{k}", ("eval.system=text_rag", f"memory.top_z={k}"), f"top-{k}, as text", True)
+      for k in (1, 2, 4, 8)),
 )
 LOSSES = (("reading", "text_evidence", "latent_evidence"), ("distraction", "latent_evidence", "latent_uniform"),
           ("retrieval", "latent_evidence", "latent_oracle"), ("allocation", "latent_oracle", "latent_learned"))
@@ -82,6 +105,14 @@ class LadderOptions:
     """Token caps of the cost dial (e.g. 8,16,32,64); none = no dial."""
     rungs: list[str] = field(default_factory=list)
     """Only these rungs (and cost-dial variants); none = all."""
+    gaps: list[float] = field(default_factory=lambda: [0.0, 0.02, 0.05, 0.1, 0.2, 0.5])
+    """The score gaps rule_gap tries on the validation split (eval.split is the test's); the most
+    accurate there is evaluated on the test split. Empty = no rule_gap."""
+    val_split: str = "val"
+    """The split the score gap is chosen on."""
+    rules_at_caps: bool = True
+    """With caps: also each simple rule (top-1, top-2, the gap) under every cap, so that the cost
+    dial compares the learned policy with the best rule at each cap."""
 
 
 @dataclass
@@ -97,15 +128,29 @@ class PoolOptions:
     """Write the table here (and .json next to it); null = print it only."""
 
 
-OPTIONS = Options("ladder", LadderOptions, flags={"caps": Flag(sep=","), "rungs": Flag(sep=",")})
+OPTIONS = Options("ladder", LadderOptions, flags={"caps": Flag(sep=","), "rungs": Flag(sep=","),
+                                                   "gaps": Flag(sep=",")})
 POOL_OPTIONS = Options("pool", PoolOptions, flags={"dirs": Flag(positional=True, metavar="DIR"),
                                                    "pairs": Flag(sep=",")})
 
 
-def variants(caps: Sequence[int] = (), text_checkpoint: str | None = None) -> dict[str, list[str]]:
-    """The ladder as ``eval.variants`` (rungs, then learned and uniform budgets at each cap)."""
+def _applies(rung: Rung, top_z: int | None) -> bool:
+    """False for a top-K rung that repeats another at this Z (rule_top{Z} is latent_uniform,
+    text_top{Z} is text_topz) or reads more memories than Z."""
+    k = rung.name.removeprefix("rule_top").removeprefix("text_top")
+    if top_z is None or not k.isdigit():
+        return True
+    return int(k) != top_z and (rung.text or int(k) < top_z)
+
+
+def variants(caps: Sequence[int] = (), text_checkpoint: str | None = None,
+             top_z: int | None = None) -> dict[str, list[str]]:
+    """The ladder's rungs (those not derived from others) as ``eval.variants``, then the learned
+    and uniform budgets at each cap. ``top_z``: the preset's Z (None: every top-K rung)."""
     out: dict[str, list[str]] = {}
     for r in RUNGS:
+        if r.derived or not _applies(r, top_z):
+            continue
         extra = [f"eval.checkpoint={text_checkpoint}"] if r.text and text_checkpoint else []
         out[r.name] = [*r.overrides, *extra]
     for c in caps:
@@ -137,21 +182,39 @@ def budget_split(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int]
             "ratio": ev / other if other_n and other > 0 else float("inf") if ev_n and ev > 0 else float("nan")}
 
 
-def ladder_data(out_root: Path, names: Sequence[str]) -> dict[str, Any]:
+def ladder_data(out_root: Path, names: Sequence[str],
+                correct_of: Callable[[Path], Mapping[str, bool]] | None = None) -> dict[str, Any]:
     """``ladder.json`` from the rungs' folders: per rung its results and budgets, each rung against
-    the one above it, the losses, and the cost dial."""
+    the one above it, the losses, the cost dial, and its ``provenance``.
+
+    ``correct_of``: ``{id: correct}`` of a ``predictions.jsonl`` (None = the stored ``correct``
+    flags, ``report.load_correct``; ``elasticmem.eval.rescore.rescore_file`` re-scores the text);
+    with one, each rung's accuracy and interval are recounted from it rather than read from its
+    ``results.json``. ``provenance``: the code that pooled (``provenance.git_state``), whether the
+    flags were re-scored, and per rung the sha256 of the ``results.json`` and ``predictions.jsonl``
+    read and the provenance its ``results.json`` records (commit, config hash, bank manifest,
+    retrieval map and checkpoint hashes; null for a folder written before it did)."""
     from elasticmem.eval import stats
     from elasticmem.eval.metrics import load_records, load_results
+    from elasticmem.eval.provenance import file_sha256, git_state
     from elasticmem.eval.report import load_correct
 
+    read = correct_of or load_correct
     rows: dict[str, Any] = {}
-    correct: dict[str, dict[str, bool]] = {}
+    correct: dict[str, Mapping[str, bool]] = {}
+    inputs: dict[str, Any] = {}
     for name in names:
         res = load_results(out_root / name / "results.json")
-        correct[name] = load_correct(out_root / name / "predictions.jsonl")
+        correct[name] = read(out_root / name / "predictions.jsonl")
         rows[name] = {"accuracy": res["accuracy"], "n": res["num_examples"], "ci95": res["accuracy_ci95"],
                       "memory_tokens": res["avg_memory_tokens"], "tokens": res["avg_tokens"],
                       "budgets": budget_split(load_records(out_root / name / "predictions.jsonl"))}
+        if correct_of is not None:  # the figures follow the re-scored outcomes, not results.json's
+            acc, n, ci = stats.accuracy_with_interval(list(correct[name].values()))
+            rows[name].update(accuracy=acc, n=n, ci95=ci)
+        inputs[name] = {"results_sha256": file_sha256(out_root / name / "results.json"),
+                        "predictions_sha256": file_sha256(out_root / name / "predictions.jsonl"),
+                        "run": res.get("provenance")}
 
     def paired(a: str, b: str) -> dict[str, Any]:
         ca, cb = stats.pair_by_id(correct[a], correct[b])
@@ -165,8 +228,9 @@ def ladder_data(out_root: Path, names: Sequence[str]) -> dict[str, Any]:
     dial = [{"cap": c, "learned": rows[f"learned_cap{c}"], "uniform": rows[f"uniform_cap{c}"],
              "paired": paired(f"uniform_cap{c}", f"learned_cap{c}")}
             for c in caps if f"learned_cap{c}" in rows and f"uniform_cap{c}" in rows]
+    provenance = {"code": git_state(), "rescored": correct_of is not None, "rungs": inputs}
     return {"rungs": {n: rows[n] for n in rungs}, "losses": losses, "cost_dial": dial,
-            "reads": {r.name: r.reads for r in RUNGS}}
+            "reads": {r.name: r.reads for r in RUNGS}, "provenance": provenance}
 
 
 def _acc(row: Mapping[str, Any]) -> str:
@@ -212,18 +276,28 @@ def ladder_markdown(data: Mapping[str, Any], title: str = "Reading ladder") -> s
 
 def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("latent_uniform", "latent_learned"),
                                                                           ("no_memory", "latent_learned"),
-                                                                          ("latent_oracle", "latent_learned"))
-         ) -> dict[str, Any]:
+                                                                          ("latent_oracle", "latent_learned")),
+         correct_of: Callable[[Path], Mapping[str, bool]] | None = None) -> dict[str, Any]:
     """Several seeds' ladders side by side.
 
-    ``comparisons``: each rung pair (reference, system) per seed, pooled over every (seed, question)
-    pair, and the mean over seeds with its t interval, paired by seed. ``rungs``: each rung's (and
-    each extra folder's, e.g. a trained control's) accuracy per seed and pooled, with Wilson
-    intervals. A pair or rung some seeds lack is compared over the seeds that have it (its
-    ``dirs`` say which), so a control still running on one seed does not hold up the others.
+    ``comparisons``: each rung pair (reference, system) per seed (Tango's interval, exact
+    McNemar), ``pooled`` per question over the seeds (``stats.pooled_paired_per_question``: each
+    question's mean difference over the seeds, n = questions, a paired bootstrap interval over
+    questions and a sign-flip permutation p), and ``by_seed`` the mean of the seeds' own
+    differences with its t interval (``stats.seed_paired``). ``rungs``: each rung's (and each
+    extra folder's, e.g. a trained control's) accuracy per seed (Wilson interval) and pooled per
+    question (``stats.pooled_per_question``). The seeds share their questions, so pooling their
+    (seed, question) pairs as independent would overstate n; each pooled figure's ``pooling``
+    says how it was pooled. A pair or rung some seeds lack is compared over the seeds that have
+    it (its ``dirs`` say which), so a control still running on one seed does not hold up the
+    others; seeds that answered other questions are refused (``stats.PairingError``).
+    ``correct_of``: ``{id: correct}`` of a ``predictions.jsonl`` (None = the stored flags;
+    ``elasticmem.eval.rescore.rescore_file`` re-scores the text).
     """
     from elasticmem.eval import stats
     from elasticmem.eval.report import load_correct
+
+    read = correct_of or load_correct
 
     def has(d: str | Path, name: str) -> bool:
         return (Path(d) / name / "predictions.jsonl").is_file()
@@ -233,17 +307,19 @@ def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("laten
         seeds = [d for d in dirs if has(d, a) and has(d, b)]
         if not seeds:
             continue
-        per_seed, pa, pb, acc_a, acc_b = [], [], [], [], []
+        per_seed, acc_a, acc_b, out_a, out_b = [], [], [], [], []
         for d in seeds:
-            ca, cb = stats.pair_by_id(load_correct(Path(d) / a / "predictions.jsonl"),
-                                      load_correct(Path(d) / b / "predictions.jsonl"))
+            oa, ob = read(Path(d) / a / "predictions.jsonl"), read(Path(d) / b / "predictions.jsonl")
+            ca, cb = stats.pair_by_id(oa, ob)
             per_seed.append({"dir": str(d), **stats.paired_comparison(ca, cb).as_dict()})
-            pa += ca
-            pb += cb
+            out_a.append(oa)
+            out_b.append(ob)
             acc_a.append(sum(ca) / len(ca))
             acc_b.append(sum(cb) / len(cb))
+        _, ma = stats.outcome_matrix(out_a)  # (seeds, questions), questions in sorted id order
+        _, mb = stats.outcome_matrix(out_b)  # the same ids: pair_by_id checked each seed's a against b
         comparisons[f"{b} - {a}"] = {"dirs": [str(d) for d in seeds], "per_seed": per_seed,
-                                     "pooled": stats.paired_comparison(pa, pb).as_dict(),
+                                     "pooled": stats.pooled_paired_per_question(ma, mb),
                                      "by_seed": stats.seed_paired(acc_a, acc_b)}
     names = [r.name for r in RUNGS]
     names += sorted({p.name for d in dirs for p in Path(d).iterdir() if p.is_dir() and has(d, p.name)} - set(names))
@@ -252,34 +328,42 @@ def pool(dirs: Sequence[str | Path], pairs: Sequence[tuple[str, str]] = (("laten
         seeds = [d for d in dirs if has(d, name)]
         if not seeds:
             continue
-        per_seed, k_all, n_all, tokens = [], 0, 0, 0.0
+        per_seed, outcomes, tokens = [], [], []
         for d in seeds:
-            correct = list(load_correct(Path(d) / name / "predictions.jsonl").values())
-            acc, n, ci = stats.accuracy_with_interval(correct)
-            k, _ = stats.count_correct(correct)
+            got = read(Path(d) / name / "predictions.jsonl")
+            acc, n, ci = stats.accuracy_with_interval(list(got.values()))
             res = json.loads((Path(d) / name / "results.json").read_text())
             per_seed.append({"dir": str(d), "accuracy": acc, "n": n, "ci95": ci,
                              "memory_tokens": res.get("avg_memory_tokens")})
-            k_all, n_all = k_all + k, n_all + n
-            tokens += n * (res.get("avg_memory_tokens") or 0.0)
+            outcomes.append(got)
+            tokens.append(res.get("avg_memory_tokens") or 0.0)
+        _, m = stats.outcome_matrix(outcomes)
+        # every seed answered the same questions: the mean over seeds is the per-question mean
         rungs[name] = {"dirs": [str(d) for d in seeds], "per_seed": per_seed,
-                       "pooled": {"accuracy": k_all / n_all, "n": n_all,
-                                  "ci95": list(stats.wilson_interval(k_all, n_all)),
-                                  "memory_tokens": tokens / n_all}}
+                       "pooled": {**stats.pooled_per_question(m), "memory_tokens": sum(tokens) / len(tokens)}}
     return {"comparisons": comparisons, "rungs": rungs}
 
 
 def pool_markdown(data: Mapping[str, Any], dirs: Sequence[str | Path]) -> str:
+    """The seeds' comparison table and rung table; every pooled cell says its questions and seeds."""
+    from elasticmem.eval.stats import BOOTSTRAP_SEED, RESAMPLES
+
     def seeds_of(d: Mapping[str, Any]) -> str:
         if len(d["dirs"]) == len(dirs):
             return ""
         return " (" + ", ".join(Path(x).parent.name or x for x in d["dirs"]) + ")"
 
+    def size(pooled: Mapping[str, Any]) -> str:
+        return f"n = {pooled['n']} questions x {pooled['seeds']} seed{'s' if pooled['seeds'] != 1 else ''}"
+
     lines = ["# Reading ladder over seeds", "", "Ladders: " + ", ".join(str(d) for d in dirs), "",
-             "Pooled: every (seed, question) pair; the seeds share their questions, so the pooled test treats "
-             "pairs as independent that are not quite (the by-seed interval does not). A row some seeds lack "
-             "names the seeds it has.", "",
-             "| comparison | per seed (points [95 %], p) | pooled (points [95 %], p, n) "
+             "Pooled per question: the seeds share their questions, so each question counts once, with its "
+             "mean correctness over the seeds (its mean difference, paired); n = the questions; 95 % interval: "
+             f"percentile bootstrap over questions ({RESAMPLES} resamples, seed {BOOTSTRAP_SEED}), paired for "
+             "differences; p: sign-flip permutation test over questions. Per seed: Wilson / Tango intervals, "
+             "exact McNemar p. Mean over seeds: t interval over the seeds' own differences. A row some seeds "
+             "lack names the seeds it has.", "",
+             "| comparison | per seed (points [95 %], p) | pooled per question (points [95 %], p, n) "
              "| mean over seeds [t interval] |", "|---|---|---|---|"]
     for name, d in data["comparisons"].items():
         per = "; ".join(_diff(s) for s in d["per_seed"])
@@ -288,13 +372,13 @@ def pool_markdown(data: Mapping[str, Any], dirs: Sequence[str | Path]) -> str:
         ci = bs["difference_ci"]
         by = f"{100 * bs['difference']:+.1f}" + (f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if ci else "")
         by += f", p = {bs['p_value']:.3g}" if bs["p_value"] is not None else ""
-        lines.append(f"| {name}{seeds_of(d)} | {per} | {_diff(pooled)}, n = {pooled['n']} | {by} |")
-    lines += ["", "| rung | per seed (accuracy [95 %]) | pooled (accuracy [95 %], n) | memory tokens |",
+        lines.append(f"| {name}{seeds_of(d)} | {per} | {_diff(pooled)}, {size(pooled)} | {by} |")
+    lines += ["", "| rung | per seed (accuracy [95 %]) | pooled per question (accuracy [95 %], n) | memory tokens |",
               "|---|---|---|---|"]
     for name, d in data["rungs"].items():
         per = "; ".join(_acc(s) for s in d["per_seed"])
         pooled = d["pooled"]
-        lines.append(f"| {name}{seeds_of(d)} | {per} | {_acc(pooled)}, n = {pooled['n']} | "
+        lines.append(f"| {name}{seeds_of(d)} | {per} | {_acc(pooled)}, {size(pooled)} | "
                      f"{pooled['memory_tokens']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -331,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from elasticmem.config import load_config
-    from elasticmem.eval import cli
+    from elasticmem.eval import budget_rules, cli
     from elasticmem.utils.options import add_options, resolve_options, split_options
 
     ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder", description=__doc__.split("\n\n")[0],
@@ -340,21 +424,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, rest = ap.parse_known_args(argv)
     dotted, rest = split_options(rest, OPTIONS)  # the rest is evaluate.py's
     opts = resolve_options(ap, OPTIONS, known, dotted)
-    var = variants(opts.caps, opts.text_checkpoint)
-    if opts.rungs:
-        unknown = set(opts.rungs) - set(var)
-        if unknown:
-            ap.error(f"unknown rungs {sorted(unknown)}; the ladder's are {list(var)}")
-        var = {k: v for k, v in var.items() if k in opts.rungs}
-    code = cli.main([*rest, "eval.variants=" + json.dumps(var)])
-    if code != 0:
-        return code
     config = rest[rest.index("--config") + 1] if "--config" in rest else None
     cfg = load_config(config, cli._expand([o for o in rest if "=" in o and not o.startswith("-")]))
     out_root = Path(cfg.eval.output_dir)
-    data = ladder_data(out_root, list(var))
+    top_z = cfg.memory.top_z
+
+    def wanted(var: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {k: v for k, v in var.items() if not opts.rungs or k in opts.rungs}
+
+    var = variants(opts.caps, opts.text_checkpoint, top_z)
+    if opts.rungs:
+        known_names = set(var) | set(budget_rules.derived_variants(0.0, 1.0, opts.caps, top_z, opts.rules_at_caps))
+        unknown = set(opts.rungs) - known_names
+        if unknown:
+            ap.error(f"unknown rungs {sorted(unknown)}; the ladder's are {sorted(known_names)}")
+    code = cli.main([*rest, "eval.variants=" + json.dumps(wanted(var))])
+    if code != 0:
+        return code
+    # the rungs whose settings come from the others: the gap chosen on validation, the spread at
+    # the learned policy's mean total, every rule under each cap
+    gap = spread = None
+    if opts.gaps and (not opts.rungs or "rule_gap" in opts.rungs):
+        val_root = out_root / f"gap_{opts.val_split}"
+        code = cli.main([*rest, f"eval.split={opts.val_split}", f"eval.output_dir={val_root}",
+                         "eval.variants=" + json.dumps(budget_rules.gap_variants(opts.gaps))])
+        if code != 0:
+            return code
+        val = {g: json.loads((val_root / f"gap_{g:g}" / "results.json").read_text()) for g in opts.gaps}
+        gap = budget_rules.choose_gap({g: {"accuracy": r["accuracy"], "memory_tokens": r["avg_memory_tokens"]}
+                                       for g, r in val.items()})
+    learned = out_root / "latent_learned" / "results.json"
+    if learned.is_file() and (not opts.rungs or "rule_spread" in opts.rungs):
+        spread = json.loads(learned.read_text())["avg_memory_tokens"]
+    derived = wanted(budget_rules.derived_variants(gap, spread, opts.caps, top_z, opts.rules_at_caps))
+    if derived:
+        code = cli.main([*rest, "eval.variants=" + json.dumps(derived)])
+        if code != 0:
+            return code
+    names = [*var, *derived]
+    data = ladder_data(out_root, [n for n in names if (out_root / n / "results.json").is_file()])
+    data["rules"] = budget_rules.best_rule(out_root, opts.caps)
+    data["score_gap"] = gap
+    if learned.is_file():
+        from elasticmem.eval.metrics import load_records
+
+        data["budget_vectors"] = budget_rules.budget_vectors(load_records(learned.with_name("predictions.jsonl")))
     md = ladder_markdown(data, title=f"Reading ladder: {cfg.eval.checkpoint} on {Path(cfg.data.dir).name} / "
                                      f"{cfg.eval.split}")
+    md += budget_rules.rules_markdown(data["rules"], data.get("budget_vectors"), gap)
     (out_root / "ladder.md").write_text(md)
     (out_root / "ladder.json").write_text(json.dumps(data, indent=1))
     print(md)

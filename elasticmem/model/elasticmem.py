@@ -54,7 +54,7 @@ from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
 from elasticmem.model import checkpoint
 from elasticmem.model.activation_checkpointing import enable_checkpointing
-from elasticmem.model.budget_modes import FIXED_MODES, fixed_budgets
+from elasticmem.model.budget_modes import fixed_budgets, is_fixed_mode
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
 from elasticmem.model.generation import (
     chunked_prefill,
@@ -293,17 +293,19 @@ class ElasticMem(nn.Module):
     def _budgets(self, mode: str, h, rows, scores, mask, greedy: bool, generator: torch.Generator | None = None,
                  evidence: Sequence[set[int]] | None = None):
         """Budgets [N, Z], their log-probs and entropies: 'policy' (the policy's, argmax if
-        ``greedy``), 'max' (max_budget each), 'uniform' (a draw in 1..max_budget each) or 'oracle'
-        (max_budget for the rows in ``evidence[i]``, 0 for the others). In greedy mode
+        ``greedy``), 'max' (max_budget each), 'uniform' (a draw in 1..max_budget each), 'oracle'
+        (max_budget for the rows in ``evidence[i]``, 0 for the others) or a simple rule ('topK',
+        'gap' at ``memory.policy.score_gap``: ``fixed_budgets``). In greedy mode
         ``memory.policy.token_cap`` applies to every mode: the policy cuts its lowest-value
-        memories first, 'max' shares the cap out evenly, 'oracle' keeps the evidence by rank."""
+        memories first, 'max' shares the cap out evenly, the others keep their memories by rank."""
         if mode == "policy":
             bs = self._allocate(h, rows, scores, mask, greedy)
             return bs.budgets.cpu(), bs.log_prob.cpu(), bs.entropy.cpu()
-        if mode not in FIXED_MODES:
-            raise ValueError(f"budgets must be 'policy', 'max', 'uniform' or 'oracle', got {mode!r}")
+        if not is_fixed_mode(mode):
+            raise ValueError(f"budgets must be 'policy', 'max', 'uniform', 'oracle', 'gap' or 'topK', got {mode!r}")
         cap = self.cfg.policy.token_cap if greedy else None
-        b = fixed_budgets(mode, rows, mask, self.cfg.policy.max_budget, cap, generator, evidence)
+        b = fixed_budgets(mode, rows, mask, self.cfg.policy.max_budget, cap, generator, evidence,
+                          scores=scores.cpu(), score_gap=self.cfg.policy.score_gap)
         zeros = torch.zeros(rows.shape)
         return b, zeros, zeros
 

@@ -90,11 +90,11 @@ def test_each_rung_reads_what_it_says(ladder_run):
 
 def test_figures_recount_from_predictions_and_rungs_pair_with_the_one_above(ladder_run):
     from elasticmem.eval import stats
-    from elasticmem.eval.ladder import RUNGS
+    from elasticmem.eval.ladder import RUNGS, _applies
 
-    _, out = ladder_run
+    cfg, out = ladder_run
     data = json.loads((out / "ladder.json").read_text())
-    names = [r.name for r in RUNGS]
+    names = [r.name for r in RUNGS if _applies(r, cfg.memory.top_z)]
     assert list(data["rungs"]) == names
     correct = {n: {r["id"]: bool(r["correct"]) for r in _records(out / n / "predictions.jsonl")} for n in names}
     for above, name in zip(names, names[1:]):
@@ -138,7 +138,8 @@ def test_cost_dial_keeps_each_question_within_its_cap(ladder_run):
 
 def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_path):
     """``python -m elasticmem.eval.ladder pool``: a second "seed" is the ladder with some learned
-    answers flipped; per seed, pooled and by-seed figures recount from the two folders."""
+    answers flipped; per seed, pooled (per question: each question's mean over the seeds, n =
+    the questions) and by-seed figures recount from the two folders."""
     import shutil
 
     from elasticmem.eval import ladder, stats
@@ -155,7 +156,7 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
                         "--out", str(tmp_path / "summary.md")]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     got = summary["comparisons"]["latent_learned - latent_uniform"]
-    diffs, ca_all, cb_all = [], [], []
+    diffs, per_question = [], []
     for i, d in enumerate((out, other)):
         a = {r["id"]: bool(r["correct"]) for r in _records(d / "latent_uniform" / "predictions.jsonl")}
         b = {r["id"]: bool(r["correct"]) for r in _records(d / "latent_learned" / "predictions.jsonl")}
@@ -164,10 +165,11 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
         assert got["per_seed"][i]["only_b_correct"] == pc.only_b_correct
         assert got["per_seed"][i]["only_a_correct"] == pc.only_a_correct
         diffs.append(sum(b.values()) / len(b) - sum(a.values()) / len(a))
-        ca_all += [a[k] for k in ids]
-        cb_all += [b[k] for k in ids]
-    pooled = stats.paired_comparison(ca_all, cb_all)
-    assert got["pooled"]["n"] == len(ca_all) and got["pooled"]["p_value"] == pytest.approx(pooled.p_value)
+        per_question.append([int(b[k]) - int(a[k]) for k in ids])
+    d_q = [(x + y) / 2 for x, y in zip(*per_question)]  # each question's mean difference over the 2 seeds
+    assert got["pooled"]["n"] == len(d_q) and got["pooled"]["difference"] == pytest.approx(sum(d_q) / len(d_q))
+    assert got["pooled"]["p_value"] == pytest.approx(stats.sign_flip_p(d_q)[0])
+    assert got["pooled"]["pooling"] == f"per question, mean over 2 seeds, paired bootstrap over {len(d_q)} questions"
     assert got["by_seed"]["difference"] == pytest.approx(sum(diffs) / 2)
     assert "latent_learned - latent_uniform" in (tmp_path / "summary.md").read_text()
     # each rung's accuracy per seed and pooled, recounted from the predictions
@@ -175,9 +177,14 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
     k = [sum(r["correct"] for r in _records(d / "latent_learned" / "predictions.jsonl")) for d in (out, other)]
     n = [len(_records(d / "latent_learned" / "predictions.jsonl")) for d in (out, other)]
     assert [s["accuracy"] for s in learned["per_seed"]] == pytest.approx([k[0] / n[0], k[1] / n[1]])
-    assert learned["pooled"]["n"] == sum(n) and learned["pooled"]["accuracy"] == pytest.approx(sum(k) / sum(n))
-    assert learned["pooled"]["ci95"] == pytest.approx(list(stats.wilson_interval(sum(k), sum(n))))
-    assert set(summary["rungs"]) >= {r.name for r in ladder.RUNGS}
+    assert learned["pooled"]["n"] == n[0] == n[1] and learned["pooled"]["accuracy"] == pytest.approx(sum(k) / sum(n))
+    by_q = {}
+    for d in (out, other):
+        for r in _records(d / "latent_learned" / "predictions.jsonl"):
+            by_q.setdefault(r["id"], []).append(float(r["correct"]))
+    per_q = [sum(v) / 2 for _, v in sorted(by_q.items())]
+    assert learned["pooled"]["ci95"] == pytest.approx(list(stats.bootstrap_mean_interval(per_q)))
+    assert set(summary["rungs"]) >= {r.name for r in ladder.RUNGS if not r.derived and ladder._applies(r, 4)}
 
     # a rung one seed lacks (a control still running there) is compared over the seeds that have it
     shutil.rmtree(other / "latent_oracle")
@@ -187,17 +194,19 @@ def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_p
     got = partial["comparisons"]["latent_learned - latent_oracle"]
     assert got["dirs"] == [str(out)] and got["pooled"]["n"] == n[0] and got["by_seed"]["difference_ci"] is None
     assert partial["rungs"]["latent_oracle"]["dirs"] == [str(out)]
-    assert partial["rungs"]["latent_learned"]["pooled"]["n"] == sum(n)
+    assert partial["rungs"]["latent_learned"]["pooled"]["n"] == n[0]
+    assert partial["rungs"]["latent_learned"]["pooled"]["seeds"] == 2
 
 
 def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_path):
     """``scripts/persona_results.py`` (docs/recipe.md's tables over seeds): each published cell
-    equals the figure recounted from the seeds' predictions, and a control one seed lacks reads
-    "not run" there and is pooled over the seeds that have it."""
+    equals the figure recounted from the seeds' predictions' text (pooled per question), and a
+    control one seed lacks reads "not run" there and is pooled over the seeds that have it."""
     import importlib.util
     import shutil
 
     from elasticmem.eval import stats
+    from elasticmem.eval.rescore import rescore_file, rescore_record
 
     _, out = ladder_run
     root = tmp_path / "OUT"
@@ -205,8 +214,8 @@ def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_p
         shutil.copytree(out, root / f"s{s}" / "ladder")
     learned = root / "s1" / "ladder" / "latent_learned" / "predictions.jsonl"
     recs = _records(learned)
-    for r in recs[:7]:
-        r["correct"] = not r["correct"]
+    for r in recs[:7]:  # the answer's text flipped; its stored flag left stale: the tables follow the text
+        r["prediction"] = f"({'b' if r['gold'] == 'a' else 'a'})" if rescore_record(r, 4) else f"({r['gold']})"
     learned.write_text("".join(json.dumps(r) + "\n" for r in recs))
     shutil.rmtree(root / "s1" / "ladder" / "latent_oracle")
     shutil.copytree(root / "s0" / "ladder" / "no_memory", root / "s0" / "ladder" / "no_memory_trained")
@@ -227,13 +236,16 @@ def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_p
         lo, hi = stats.wilson_interval(k, n)
         return f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]"
 
-    k = [sum(r["correct"] for r in _records(root / f"s{s}" / "ladder" / "latent_learned" / "predictions.jsonl"))
-         for s in ("0", "1")]
+    got = [rescore_file(root / f"s{s}" / "ladder" / "latent_learned" / "predictions.jsonl", 4) for s in ("0", "1")]
+    k = [sum(g.values()) for g in got]
     n = len(recs)
+    per_q = [(got[0][i] + got[1][i]) / 2 for i in sorted(got[0])]  # each question's mean over the 2 seeds
+    lo, hi = stats.bootstrap_mean_interval(per_q)
     row = rungs["top 8, latent, learned budgets (ElasticMem)"]
-    assert row[1:4] == [acc(k[0], n), acc(k[1], n), f"{acc(sum(k), 2 * n)}, n = {2 * n}"]
+    assert row[1:4] == [acc(k[0], n), acc(k[1], n),
+                        f"{sum(k) / (2 * n):.3f} [{lo:.3f}, {hi:.3f}], n = {n} questions x 2 seeds"]
     oracle = rungs["top 8, latent, oracle budgets"]
-    assert oracle[2] == "not run" and oracle[3].endswith(f"n = {n}")
+    assert oracle[2] == "not run" and oracle[3].endswith(f"n = {n} questions x 1 seed")
     control = rungs["no-memory reasoner, same recipe (control)"]
     assert control[2] == "not run" and "text memory, same recipe (control)" not in rungs
 

@@ -88,7 +88,8 @@ for s in $SEEDS; do
     if [ -e "$run/text/train/final" ]; then
       text_ckpt=(ladder.text_checkpoint="$run/text/train/final")
     else
-      echo "[recipe] seed $s: no text arm yet ($run/text/train/final): the ladder's text rungs read with the latent checkpoint" >&2
+      text_ckpt=(ladder.text_rungs=false)
+      echo "[recipe] seed $s: no text arm ($run/text/train/final): the ladder runs its latent rungs only" >&2
     fi
     stage "seed $s: ladder" "$run/ladder/ladder.md" python -m elasticmem.eval.ladder --config "$CONFIG" \
       "${common[@]}" seed="$s" eval.checkpoint="$run/elasticmem/train/final" eval.output_dir="$run/ladder" \

@@ -390,6 +390,22 @@ class WarmupConfig:
     memory.policy.max_budget for each step's evidence memories and min_budget for the others
     (``budget_supervision_loss``), so that it starts GRPO giving its tokens to the evidence.
     Needs data that record evidence; trains the policy in the answer steps."""
+    policy_epochs: int = 0
+    """After the answer steps, fit the budget policy alone for this many epochs over every
+    training question's retrieved memories (``elasticmem.warmup.budget``: the retrieval is
+    computed once, the policy trains on the cached features towards the same target as
+    budget_weight, with random Z' <= Z prefixes); 0 = off. The answer steps see each question a
+    few times at most, mostly with its evidence ranked first; this sees each set many times."""
+    policy_folds: int = 0
+    """Cross-fitting of the policy fit (policy_epochs) when memory.retrieval_map is set: with K
+    >= 2 the training histories are split into K folds and each fold's memories are retrieved
+    through a map trained (with memory.retrieval_map's own settings) on the other folds only, so
+    the policy is fitted on retrieval that never saw the question, as at test; 0 = through
+    memory.retrieval_map itself (trained on these questions: the evidence is nearly always first)."""
+    policy_lr: float = 1.0e-3
+    """Learning rate of the policy fit (policy_epochs)."""
+    policy_batch_size: int = 32
+    """Retrieval sets per step of the policy fit (policy_epochs)."""
     init_from: str | None = None
     """A saved model to start from (e.g. a reconstruction-only warm-up: steps=0), as
     train.init_from; null = fresh adapter and projector."""
@@ -445,6 +461,10 @@ class WarmupConfig:
         _require(self.lr > 0 and self.warmup_steps >= 0, "lr must be > 0 and warmup_steps >= 0")
         _require(self.target in ("letter", "value_letter", "answer"),
                  f"target must be 'letter', 'value_letter' or 'answer', got {self.target!r}")
+        _require(self.policy_folds == 0 or self.policy_folds >= 2, f"policy_folds must be 0 or >= 2, got {self.policy_folds}")
+        _require(self.policy_epochs >= 0 and self.policy_lr > 0 and self.policy_batch_size >= 1,
+                 f"policy_epochs must be >= 0, policy_lr > 0 and policy_batch_size >= 1, got {self.policy_epochs}, "
+                 f"{self.policy_lr} and {self.policy_batch_size}")
         _require(self.budgets in ("max", "uniform", "policy", "oracle"),
                  f"budgets must be 'max', 'uniform', 'policy' or 'oracle', got {self.budgets!r}")
         _require(self.retrieval_weight >= 0, f"retrieval_weight must be >= 0, got {self.retrieval_weight}")

@@ -110,6 +110,9 @@ class LadderOptions:
     accurate there is evaluated on the test split. Empty = no rule_gap."""
     val_split: str = "val"
     """The split the score gap is chosen on."""
+    text_rungs: bool = True
+    """Evaluate the text rungs (false: latent rungs only, e.g. when no reader trained on text is
+    at hand: the latent reader's text reading is not what text memory would give)."""
     rules_at_caps: bool = True
     """With caps: also each simple rule (top-1, top-2, the gap) under every cap, so that the cost
     dial compares the learned policy with the best rule at each cap."""
@@ -433,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {k: v for k, v in var.items() if not opts.rungs or k in opts.rungs}
 
     var = variants(opts.caps, opts.text_checkpoint, top_z)
+    if not opts.text_rungs:
+        text = {r.name for r in RUNGS if r.text}
+        var = {k: v for k, v in var.items() if k not in text}
     if opts.rungs:
         known_names = set(var) | set(budget_rules.derived_variants(0.0, 1.0, opts.caps, top_z, opts.rules_at_caps))
         unknown = set(opts.rungs) - known_names

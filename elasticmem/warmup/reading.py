@@ -271,6 +271,11 @@ def warmup(cfg: Config) -> dict[str, Any]:
                 return {"stopped_at": pre + step, "last_step": last}
     model.eval()
     model.cfg = mem_cfg
+    if w.policy_epochs > 0 and mem_cfg.top_z > 0 and mem_cfg.injection == "latent" and not memgen:
+        from elasticmem.warmup.budget import fit_model_policy  # the policy alone, on every question's memories
+
+        fit = fit_model_policy(model, cfg, examples, eval_examples, evidence_rows)
+        (out / "policy_fit.json").write_text(json.dumps(fit, indent=1))
     tmp = out / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -148,3 +148,45 @@ def test_budget_vectors_recount(rules_run):
     for row, (v, c) in zip(got["most_common"], Counter(vectors).most_common(8)):
         assert row["share"] == pytest.approx(c / len(vectors))
         assert Counter(vectors)[tuple(row["budgets"])] == c
+
+
+def test_ladder_results_publish_re_scored_figures_and_refuse_edited_text(rules_run, tmp_path):
+    """scripts/ladder_results.py: each cell re-counts from the trimmed predictions' answer text, and
+    the table generator refuses the file once an answer's text no longer gives its figure."""
+    import importlib.util
+
+    from elasticmem.data.rewards import parse_option_letter
+    from elasticmem.eval import stats
+
+    _, out = rules_run
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    res = tmp_path / "results"
+    assert script("ladder_results").main([str(out), "--name", "x/ladder", "--title", "tiny", "--num-options", "4",
+                                          "--results", str(res)]) == 0
+    spec = json.loads((res / "x" / "ladder.json").read_text())
+    gen = script("gen_results_tables")
+    gen.verify(spec, res / "x" / "ladder.json")  # the published figures follow from the text
+    rows = {r.split(" | ")[0].strip("| *"): r.split(" | ") for r in gen.render(spec).splitlines()[2:]}
+    texts = _records(out / "rule_top2" / "predictions.jsonl")
+    right = {i: parse_option_letter(r["prediction"], 4) == r["gold"] for i, r in texts.items()}
+    k, n = sum(right.values()), len(right)
+    lo, hi = stats.wilson_interval(k, n)
+    assert rows["rule_top2"][2] == f"{k / n:.3f} [{lo:.3f}, {hi:.3f}], n = {n}"
+    learned = {i: parse_option_letter(r["prediction"], 4) == r["gold"]
+               for i, r in _records(out / "latent_learned" / "predictions.jsonl").items()}
+    pc = stats.paired_comparison(*stats.pair_by_id(right, learned))
+    assert rows["rule_top2"][4].startswith(f"{100 * pc.difference:+.1f}")
+    # an answer's text edited after publishing: the figure no longer follows, the generator refuses
+    trimmed = res / "x" / "ladder" / "rule_top2.predictions.jsonl"
+    recs = [json.loads(line) for line in trimmed.read_text().splitlines()]
+    first = recs[0]
+    first["prediction"] = (f"({'b' if first['gold'] != 'b' else 'c'})" if right[first["id"]] else f"({first['gold']})")
+    trimmed.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match="rule_top2"):
+        gen.verify(spec, res / "x" / "ladder.json")

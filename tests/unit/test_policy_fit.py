@@ -6,6 +6,8 @@ the ones a greedy rollout gives the policy, and the fit learns an allocation its
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import ROOT
@@ -139,3 +141,29 @@ def test_cross_fitted_sets_never_retrieve_through_a_map_trained_on_their_history
         model.mapped_index = own_index
     assert torch.allclose(sets.scores[: len(fold0)], want.scores, atol=1e-5)
     assert torch.equal(sets.evidence[: len(fold0)], want.evidence)
+
+
+def test_the_warmups_policy_fit_equals_the_stage_run_on_its_checkpoint(tmp_path):
+    """warmup.policy_epochs > 0 in the reading warm-up gives the policy that
+    ``python -m elasticmem.warmup.budget`` gives from the same warm-up run without it."""
+    from safetensors.torch import load_file
+
+    from elasticmem.warmup import budget
+    from test_warmup_reading import _tiny_warmups
+
+    base = [f"data.dir={tmp_path}/data", f"bank.dir={tmp_path}/bank", "data.synthetic.num_histories=12",
+            "warmup.steps=2", "warmup.batch_size=4", "warmup.budget_weight=1.0", "warmup.eval_split=",
+            "warmup.policy_lr=0.01"]
+    run = _tiny_warmups(tmp_path, base)
+    run("plain")
+    run("fitted", "warmup.policy_epochs=3")
+    fit = json.loads((tmp_path / "fitted" / "policy_fit.json").read_text())
+    assert len(fit["epochs"]) == 3 and fit["train_sets"] > 0
+    assert budget.main(["--config", str(ROOT / "configs/tiny_mechanism.yaml"), *base,
+                        f"eval.checkpoint={tmp_path / 'plain' / 'final'}", f"warmup.output_dir={tmp_path / 'stage'}",
+                        "warmup.policy_epochs=3"]) == 0
+    plain, fitted, stage = (load_file(str(tmp_path / d / "final" / "budget_policy.safetensors"))
+                            for d in ("plain", "fitted", "stage"))
+    assert any(not torch.equal(plain[k], fitted[k]) for k in plain)  # the fit moved the policy
+    for k in fitted:
+        assert torch.allclose(fitted[k], stage[k], atol=1e-6), k

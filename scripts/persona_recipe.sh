@@ -89,7 +89,8 @@ for s in $SEEDS; do
       text_ckpt=(ladder.text_checkpoint="$run/text/train/final")
     else
       text_ckpt=(ladder.text_rungs=false)
-      echo "[recipe] seed $s: no text arm ($run/text/train/final): the ladder runs its latent rungs only" >&2
+      [ -e "$run/ladder/ladder.md" ] ||
+        echo "[recipe] seed $s: no text arm ($run/text/train/final): the ladder runs its latent rungs only" >&2
     fi
     stage "seed $s: ladder" "$run/ladder/ladder.md" python -m elasticmem.eval.ladder --config "$CONFIG" \
       "${common[@]}" seed="$s" eval.checkpoint="$run/elasticmem/train/final" eval.output_dir="$run/ladder" \

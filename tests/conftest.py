@@ -138,3 +138,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def tiny_ladder_checkpoint(root: Path, overrides: list[str]) -> Path:
+    """The tiny mechanism preset's data and bank under ``overrides``, and an untrained checkpoint
+    whose policy is perturbed so that its argmax gives uneven budgets (``root / "ckpt"``): what the
+    reading ladder's tests evaluate."""
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import build_bank
+    from elasticmem.config import load_config
+    from elasticmem.data.schema import load_split
+    from elasticmem.data.synthetic import write_synthetic
+    from elasticmem.systems import build_system
+
+    cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", overrides)
+    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
+    examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
+    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
+    system = build_system(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in system.model.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    system.model.save_pretrained(root / "ckpt")
+    return root / "ckpt"

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from conftest import ROOT
+from conftest import ROOT, tiny_ladder_checkpoint
 
 from elasticmem.config import load_config
 
@@ -23,26 +22,13 @@ CAPS = (2, 6)
 def ladder_run(request, tmp_path_factory):
     """Data, a bank (with per-layer KV for content=kv), an untrained checkpoint with a perturbed
     policy, and its ladder with the cost dial."""
-    from elasticmem.backbone import load_backbone
-    from elasticmem.bank import build_bank
-    from elasticmem.data.schema import load_split
-    from elasticmem.data.synthetic import write_synthetic
     from elasticmem.eval import ladder
-    from elasticmem.systems import build_system
 
     root = tmp_path_factory.mktemp(f"ladder_{request.param}")
     overrides = [f"data.dir={root}/data", f"bank.dir={root}/bank", "data.synthetic.num_histories=20",
                  f"memory.content={request.param}", f"bank.kv_cache={request.param == 'kv'}", "eval.split=val"]
     cfg = load_config(ROOT / "configs/tiny_mechanism.yaml", overrides)
-    write_synthetic(cfg.data.synthetic, cfg.seed, cfg.data.dir)
-    examples = {s: load_split(cfg.data.dir, s) for s in ("train", "val", "test")}
-    build_bank(examples, load_backbone(cfg.backbone), cfg.chunking, cfg.bank, torch.float32, show_progress=False)
-    system = build_system(cfg)
-    torch.manual_seed(1)
-    with torch.no_grad():  # a policy whose argmax gives uneven budgets
-        for p in system.model.policy.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
-    system.model.save_pretrained(root / "ckpt")
+    tiny_ladder_checkpoint(root, overrides)
     out = root / "ladder"
     code = ladder.main(["--config", str(ROOT / "configs/tiny_mechanism.yaml"), *overrides,
                         f"eval.checkpoint={root / 'ckpt'}", f"eval.output_dir={out}", f"eval.limit={LIMIT}",

@@ -49,7 +49,8 @@ def test_runs_in_pieces_to_a_summary_over_seeds_and_redoes_nothing(tmp_path):
         ladder = json.loads((out / f"s{s}/ladder/ladder.json").read_text())
         from elasticmem.eval.ladder import RUNGS, _applies
 
-        assert set(ladder["rungs"]) == {r.name for r in RUNGS if _applies(r, 4)}  # tiny_mechanism: Z = 4
+        # tiny_mechanism: Z = 4; no text arm (ARMS has none): the latent rungs only
+        assert set(ladder["rungs"]) == {r.name for r in RUNGS if _applies(r, 4) and not r.text}
         assert len(ladder["cost_dial"]) == 1 and len(ladder["rules"]["cost_dial"]) == 1
         res = json.loads((out / f"s{s}/ladder/no_memory_trained/results.json").read_text())
         assert res["num_examples"] == 8 and res["avg_memory_tokens"] == 0

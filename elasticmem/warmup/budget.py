@@ -171,9 +171,12 @@ def argmax_budgets(policy, sets: PolicySets, min_budget: int = 0) -> dict[str, f
 def run(cfg: Config) -> dict[str, Any]:
     """Load ``eval.checkpoint``, fit its policy on the ``warmup.split`` questions, save
     ``warmup.output_dir``/final; returns the last epoch's metrics and the validation's."""
+    from elasticmem.backbone import load_backbone
+    from elasticmem.bank import Bank, build_index
     from elasticmem.data.schema import load_split
     from elasticmem.eval.retrieval import evidence_rows
-    from elasticmem.systems import build_system
+    from elasticmem.model.elasticmem import ElasticMem
+    from elasticmem.training.runtime import check_init
     from elasticmem.utils.configuration import save as save_config
 
     w = cfg.warmup
@@ -188,7 +191,12 @@ def run(cfg: Config) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
-    model = build_system(cfg).model
+    backbone = load_backbone(cfg.backbone)  # the model as the warm-up builds it (systems sits above this layer)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    model = ElasticMem(backbone, cfg.memory, bank, build_index(bank, cfg.bank.index, cfg.seed, device=backbone.device))
+    check_init(cfg.eval.checkpoint, model)
+    model.load_weights(cfg.eval.checkpoint)
+    model.eval()
     result = fit_model_policy(model, cfg, load_split(cfg.data.dir, w.split),
                               load_split(cfg.data.dir, "val") if (Path(cfg.data.dir) / "val.jsonl").is_file() else [],
                               evidence_rows)

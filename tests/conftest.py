@@ -162,3 +162,13 @@ def tiny_ladder_checkpoint(root: Path, overrides: list[str]) -> Path:
             p.add_(torch.randn_like(p) * 0.5)
     system.model.save_pretrained(root / "ckpt")
     return root / "ckpt"
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, tiny_ladder_checkpoint
+from conftest import ROOT, load_script, tiny_ladder_checkpoint
 
 from elasticmem.config import load_config
 
@@ -188,7 +188,6 @@ def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_p
     """``scripts/persona_results.py`` (docs/recipe.md's tables over seeds): each published cell
     equals the figure recounted from the seeds' predictions' text (pooled per question), and a
     control one seed lacks reads "not run" there and is pooled over the seeds that have it."""
-    import importlib.util
     import shutil
 
     from elasticmem.eval import stats
@@ -206,15 +205,9 @@ def test_persona_results_tables_recount_from_the_seeds_ladders(ladder_run, tmp_p
     shutil.rmtree(root / "s1" / "ladder" / "latent_oracle")
     shutil.copytree(root / "s0" / "ladder" / "no_memory", root / "s0" / "ladder" / "no_memory_trained")
 
-    def script(name):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
     res = tmp_path / "results"
-    assert script("persona_results").main([str(root), "--commit", "abc1234", "--results", str(res)]) == 0
-    render = script("gen_results_tables").render
+    assert load_script("persona_results").main([str(root), "--commit", "abc1234", "--results", str(res)]) == 0
+    render = load_script("gen_results_tables").render
     rungs = {row.split(" | ")[0].strip("| *"): row.split(" | ")
              for row in render(json.loads((res / "persona_rungs.json").read_text())).splitlines()[2:]}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, tiny_ladder_checkpoint
+from conftest import ROOT, load_script, tiny_ladder_checkpoint
 
 from elasticmem.config import load_config
 
@@ -139,24 +139,16 @@ def test_budget_vectors_recount(rules_run):
 def test_ladder_results_publish_re_scored_figures_and_refuse_edited_text(rules_run, tmp_path):
     """scripts/ladder_results.py: each cell re-counts from the trimmed predictions' answer text, and
     the table generator refuses the file once an answer's text no longer gives its figure."""
-    import importlib.util
-
     from elasticmem.data.rewards import parse_option_letter
     from elasticmem.eval import stats
 
     _, out = rules_run
 
-    def script(name):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
     res = tmp_path / "results"
-    assert script("ladder_results").main([str(out), "--name", "x/ladder", "--title", "tiny", "--num-options", "4",
+    assert load_script("ladder_results").main([str(out), "--name", "x/ladder", "--title", "tiny", "--num-options", "4",
                                           "--results", str(res)]) == 0
     spec = json.loads((res / "x" / "ladder.json").read_text())
-    gen = script("gen_results_tables")
+    gen = load_script("gen_results_tables")
     gen.verify(spec, res / "x" / "ladder.json")  # the published figures follow from the text
     rows = {r.split(" | ")[0].strip("| *"): r.split(" | ") for r in gen.render(spec).splitlines()[2:]}
     texts = _records(out / "rule_top2" / "predictions.jsonl")

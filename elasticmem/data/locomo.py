@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from elasticmem.data.hub import Table, jsonl_records, label, open_input
 from elasticmem.data.schema import Example, Turn
 from elasticmem.data.sources import (
     DataError,
     SkipLog,
     history_digest,
-    iter_jsonl,
     load_json_file,
     need,
     read_mc10_record,
@@ -86,8 +86,8 @@ class Conversation:
     history: list[list[Turn]]
     dia_index: dict[str, tuple[int, int]]
     """dia_id ("D3:7") -> (session index, turn index) in ``history``."""
-    path: Path
-    """The file it was read from (errors name it)."""
+    path: Path | str
+    """The file (or dataset spec) it was read from (errors name it)."""
     where: str
     qa: list[QA] = field(default_factory=list)
 
@@ -105,7 +105,7 @@ def image_text(turn: dict[str, Any]) -> str:
     return text
 
 
-def conversation_history(conv: dict[str, Any], path: Path, where: str) -> tuple[list[list[Turn]], dict[str, tuple[int, int]]]:
+def conversation_history(conv: dict[str, Any], path: Path | str, where: str) -> tuple[list[list[Turn]], dict[str, tuple[int, int]]]:
     """Sessions in N order with speaker names and session dates; dia_id -> position."""
     speaker_a = need(conv, "speaker_a", str, path, where)
     speaker_b = need(conv, "speaker_b", str, path, where)
@@ -141,7 +141,7 @@ def conversation_history(conv: dict[str, Any], path: Path, where: str) -> tuple[
     return history, dia_index
 
 
-def parse_qa(raw: Any, path: Path, where: str, index: int) -> QA:
+def parse_qa(raw: Any, path: Path | str, where: str, index: int) -> QA:
     """One ``qa`` item; answers that are numbers (6 in locomo10.json) become strings."""
     w = f"{where} qa[{index}]"
     if not isinstance(raw, dict):
@@ -164,23 +164,32 @@ def parse_qa(raw: Any, path: Path, where: str, index: int) -> QA:
     return QA(index, question, category, answer, adversarial, [str(e) for e in evidence], w)
 
 
-def read_locomo(path: str | Path, skips: SkipLog) -> list[Conversation]:
-    """Conversations of ``locomo10.json`` in file order; invalid ones or QA items go to ``skips``."""
-    path = require_file(path, "LoCoMo file (locomo10.json)")
-    data = load_json_file(path)
+def _items(src: Path | Table) -> Iterator[tuple[str, Any]]:
+    """("item I", conversation) of ``locomo10.json``, or ("row I", conversation) of a dataset."""
+    if isinstance(src, Table):
+        return src.rows()
+    data = load_json_file(src)
     if not isinstance(data, list):
-        raise DataError(path, "", None, f"expected a JSON list of conversations (locomo10.json), got a "
+        raise DataError(src, "", None, f"expected a JSON list of conversations (locomo10.json), got a "
                         f"{type(data).__name__}; an MC-10 JSONL file goes to `prepare locomo-mc10-jsonl`",
                         "not_json_list")
+    return ((f"item {i}", item) for i, item in enumerate(data))
+
+
+def read_locomo(path: str | Path | Table, skips: SkipLog) -> list[Conversation]:
+    """Conversations of ``locomo10.json`` (or of a dataset holding its items, one a row) in order;
+    invalid ones or QA items go to ``skips``."""
+    src = path if isinstance(path, Table) else require_file(path, "LoCoMo file (locomo10.json)")
+    path = label(src)
     out = []
-    for i, item in enumerate(data):
-        where = f"item {i}"
+    for item_where, item in _items(src):
+        where = item_where
         try:
             if not isinstance(item, dict):
                 raise DataError(path, where, None, f"expected an object, got {type(item).__name__}", "bad_record")
             sample_id = str(need(item, "sample_id", (str, int), path, where,
                                  "is this locomo10.json? its items have sample_id, conversation, qa"))
-            where = f"item {i} ({sample_id})"
+            where = f"{item_where} ({sample_id})"
             conv = need(item, "conversation", dict, path, where)
             qa_raw = need(item, "qa", list, path, where)
             history, dia_index = conversation_history(conv, path, where)
@@ -331,13 +340,18 @@ def _group_of_mc10(obj: Any) -> str | None:
 
 
 def prepare_locomo(kind: str, inputs: Sequence[str | Path], out_dir: str | Path, *, seed: int = 42,
-                   skip_invalid: bool = False, splits_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write ``locomo-qa`` / ``locomo-mc10`` / ``locomo-mc10-jsonl`` to OUT_DIR; returns stats.json's content."""
+                   skip_invalid: bool = False, splits_dir: str | Path | None = None,
+                   via_datasets: bool = False) -> dict[str, Any]:
+    """Write ``locomo-qa`` / ``locomo-mc10`` / ``locomo-mc10-jsonl`` to OUT_DIR; returns stats.json's content.
+
+    The input is a file, a folder or a Hub dataset (``hub.open_input``; ``via_datasets`` reads a
+    local file through ``datasets`` too)."""
     if kind not in ("locomo-qa", "locomo-mc10", "locomo-mc10-jsonl"):
         raise ValueError(f"unknown LoCoMo kind {kind!r}")
     if len(inputs) != 1:
         raise ValueError(f"{kind} takes one --input file, got {len(inputs)}")
-    path = require_file(inputs[0], "LoCoMo input")
+    src = open_input(inputs[0], "LoCoMo input", via_datasets)
+    path = label(src)
     meta: dict[str, Any] = {
         "dataset": kind, "source": SOURCE, "seed": seed,
         "split": {"unit": "conversation", "rule": "6/2/2 conversations by sorted id",
@@ -346,11 +360,11 @@ def prepare_locomo(kind: str, inputs: Sequence[str | Path], out_dir: str | Path,
     if kind == "locomo-qa":
         meta["adversarial_answer_text"] = ADVERSARIAL_ANSWER
 
-    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path, str]]:
+    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path | str, str]]:
         if kind == "locomo-mc10-jsonl":
-            yield from _published_mc10(path, skips, meta)
+            yield from _published_mc10(src, skips, meta)
             return
-        convs = read_locomo(path, skips)
+        convs = read_locomo(src, skips)
         if kind == "locomo-qa":
             for conv in convs:
                 for qa in conv.qa:
@@ -359,15 +373,16 @@ def prepare_locomo(kind: str, inputs: Sequence[str | Path], out_dir: str | Path,
             for ex in mc10_examples(convs, seed, meta, skips):
                 yield ex.group, ex, path, f"question {ex.id}"
 
-    return run_prepare(out_dir, [path], examples, lambda units: split_sorted(units, SPLIT_FRACTIONS), meta,
+    return run_prepare(out_dir, [src], examples, lambda units: split_sorted(units, SPLIT_FRACTIONS), meta,
                        skip_invalid, splits_dir)
 
 
-def _published_mc10(path: Path, skips: SkipLog, meta: dict[str, Any]) -> Iterator[tuple[str, Example, Path, str]]:
+def _published_mc10(src: Path | Table, skips: SkipLog,
+                    meta: dict[str, Any]) -> Iterator[tuple[str, Example, Path | str, str]]:
     """Records of the published JSONL; questions without a conversation id are grouped by haystack."""
     by_digest: dict[str, str] = {}
-    for lineno, obj in iter_jsonl(path, skips):
-        where = f"line {lineno}"
+    path = label(src)
+    for where, obj in jsonl_records(src, skips):
         try:
             group = _group_of_mc10(obj)
             ex = read_mc10_record(obj, path, where, SOURCE, group)

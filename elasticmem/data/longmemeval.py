@@ -30,17 +30,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from elasticmem.data.hub import Table, jsonl_records, label, open_input
 from elasticmem.data.schema import Example
 from elasticmem.data.sources import (
     DataError,
     SkipLog,
     evidence_positions,
     iter_json_list,
-    iter_jsonl,
     need,
     parse_sessions,
     read_mc10_record,
-    require_file,
     run_prepare,
     split_random,
 )
@@ -56,7 +55,7 @@ def is_abstention(question_id: str) -> bool:
     return question_id.endswith(ABSTENTION_SUFFIX)
 
 
-def lme_example(obj: Any, path: Path, where: str) -> Example:
+def lme_example(obj: Any, path: Path | str, where: str) -> Example:
     """One LongMemEval item as a free-form example (its own history, its own group)."""
     if not isinstance(obj, dict):
         raise DataError(path, where, None, f"expected an object, got {type(obj).__name__}", "bad_record")
@@ -89,7 +88,7 @@ def lme_example(obj: Any, path: Path, where: str) -> Example:
                    history=history, group=qid, answer_text=str(answer).strip(), extra=extra)
 
 
-def mc10_example(obj: Any, path: Path, where: str) -> Example:
+def mc10_example(obj: Any, path: Path | str, where: str) -> Example:
     """One published MC-10 record, abstention marked."""
     ex = read_mc10_record(obj, path, where, SOURCE)
     ex.extra["abstention"] = is_abstention(ex.id)
@@ -97,13 +96,18 @@ def mc10_example(obj: Any, path: Path, where: str) -> Example:
 
 
 def prepare_longmemeval(kind: str, inputs: Sequence[str | Path], out_dir: str | Path, *, seed: int = 42,
-                        skip_invalid: bool = False, splits_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write ``longmemeval`` / ``longmemeval-mc10-jsonl`` to OUT_DIR; returns stats.json's content."""
+                        skip_invalid: bool = False, splits_dir: str | Path | None = None,
+                        via_datasets: bool = False) -> dict[str, Any]:
+    """Write ``longmemeval`` / ``longmemeval-mc10-jsonl`` to OUT_DIR; returns stats.json's content.
+
+    The input is a file, a folder or a Hub dataset (``hub.open_input``; ``via_datasets`` reads a
+    local file through ``datasets`` too)."""
     if kind not in ("longmemeval", "longmemeval-mc10-jsonl"):
         raise ValueError(f"unknown LongMemEval kind {kind!r}")
     if len(inputs) != 1:
         raise ValueError(f"{kind} takes one --input file, got {len(inputs)}")
-    path = require_file(inputs[0], "LongMemEval input")
+    src = open_input(inputs[0], "LongMemEval input", via_datasets)
+    path = label(src)
     meta: dict[str, Any] = {
         "dataset": kind, "source": SOURCE, "seed": seed,
         "split": {"unit": "question", "rule": f"random 80/20 by question id, random.Random({seed}).shuffle "
@@ -111,12 +115,12 @@ def prepare_longmemeval(kind: str, inputs: Sequence[str | Path], out_dir: str | 
         "abstention_questions": 0,
     }
 
-    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path, str]]:
+    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path | str, str]]:
         if kind == "longmemeval":
-            items = _list_items(path, skips)
+            items = _list_items(src, skips)
             make = lme_example
         else:
-            items = ((f"line {n}", obj) for n, obj in iter_jsonl(path, skips))
+            items = jsonl_records(src, skips)
             make = mc10_example
         for where, obj in items:
             try:
@@ -127,13 +131,16 @@ def prepare_longmemeval(kind: str, inputs: Sequence[str | Path], out_dir: str | 
             meta["abstention_questions"] += ex.extra["abstention"]
             yield ex.id, ex, path, where
 
-    return run_prepare(out_dir, [path], examples, lambda units: split_random(units, SPLIT_FRACTIONS, seed), meta,
+    return run_prepare(out_dir, [src], examples, lambda units: split_random(units, SPLIT_FRACTIONS, seed), meta,
                        skip_invalid, splits_dir)
 
 
-def _list_items(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
-    """Items of the JSON list; a malformed or truncated list ends the stream through ``skips``
-    (raised by default; with --skip-invalid the items read so far are kept and the rest counted once)."""
+def _list_items(path: Path | Table, skips: SkipLog) -> Iterator[tuple[str, Any]]:
+    """Items of the JSON list (rows of a dataset); a malformed or truncated list ends the stream through
+    ``skips`` (raised by default; with --skip-invalid the items read so far are kept and the rest counted once)."""
+    if isinstance(path, Table):
+        yield from path.rows()
+        return
     try:
         for i, obj in iter_json_list(path):
             yield f"item {i}", obj

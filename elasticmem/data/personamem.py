@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from elasticmem.data.hub import Table, jsonl_records, label, open_input, split_suffix
 from elasticmem.data.schema import Example, Turn
 from elasticmem.data.sources import (
     DataError,
     SkipLog,
-    iter_jsonl,
     parse_turns,
-    require_file,
     run_prepare,
     safe_extra,
     split_random,
@@ -61,8 +60,8 @@ _ANSWER = re.compile(r"\s*\(?\s*([a-zA-Z])\s*\)?(?:[\s.:,]|$)")
 
 @dataclass
 class Question:
-    path: Path
-    """The questions file (errors about this question name it)."""
+    path: Path | str
+    """The questions file or dataset (errors about this question name it)."""
     where: str
     qid: str
     question: str
@@ -74,7 +73,7 @@ class Question:
     extra: dict[str, Any]
 
 
-def parse_options(raw: str, path: Path, where: str) -> list[str]:
+def parse_options(raw: str, path: Path | str, where: str) -> list[str]:
     """``all_options`` as a list of option texts, "(a) " prefixes removed.
 
     PersonaMem writes the list with Python's repr (the reference loader reads
@@ -111,7 +110,7 @@ def parse_options(raw: str, path: Path, where: str) -> list[str]:
     return out
 
 
-def parse_answer(raw: str, n_options: int, path: Path, where: str) -> int:
+def parse_answer(raw: str, n_options: int, path: Path | str, where: str) -> int:
     """Index of the answer letter ("(c)", "c", "(c) text"); it must name one of the options."""
     m = _ANSWER.match(raw or "")
     if not m:
@@ -124,7 +123,7 @@ def parse_answer(raw: str, n_options: int, path: Path, where: str) -> int:
     return index
 
 
-def parse_question_row(row: dict[str, Any], qcol: str, path: Path, where: str) -> Question:
+def parse_question_row(row: dict[str, Any], qcol: str, path: Path | str, where: str) -> Question:
     """One CSV row as a Question; a short (truncated) row or a bad value is a DataError."""
     short = [k for k, v in row.items() if v is None and k is not None]
     if short:
@@ -149,20 +148,45 @@ def parse_question_row(row: dict[str, Any], qcol: str, path: Path, where: str) -
                     choices, answer_index, row["shared_context_id"].strip(), end, extra)
 
 
-def read_questions(path: Path, skips: SkipLog) -> list[Question]:
-    """Every valid question row; a missing column is fatal (it would fail every row)."""
-    csv.field_size_limit(2**31 - 1)  # options and questions can be long texts
+def question_column(header: Sequence[str], path: Path | str, where: str) -> str:
+    """The column holding the question text; a missing column is fatal (it would fail every row)."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    qcol = next((c for c in QUESTION_COLUMNS if c in header), None)
+    if qcol is None:
+        missing.append(" or ".join(QUESTION_COLUMNS))
+    if missing:
+        raise DataError(path, where, missing[0], f"missing column(s) {missing}; the file has "
+                        f"{list(header)[:20]} (is this PersonaMem's questions_*.csv?)", "missing_column")
+    return qcol  # type: ignore[return-value]  (None is in ``missing``)
+
+
+def cell_text(value: Any) -> str:
+    """A dataset's cell as the CSV text it came from: a dataset loaded with its default types holds
+    numbers, booleans and nulls where the file had text (a local CSV read ``via_datasets`` is all text)."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # pandas reads an integer column with a gap as floats
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)  # all_options stored as a list: parse_options reads JSON
+    return str(value)
+
+
+def read_questions(path: Path | Table, skips: SkipLog) -> list[Question]:
+    """Every valid question row of the CSV file (or of a dataset holding it)."""
     out: list[Question] = []
+    if isinstance(path, Table):
+        qcol = question_column(path.columns, path.spec, "columns")
+        for where, row in path.rows(strip=False):
+            try:
+                out.append(parse_question_row({k: cell_text(v) for k, v in row.items()}, qcol, path.spec, where))
+            except DataError as e:
+                skips.handle(e)
+        return out
+    csv.field_size_limit(2**31 - 1)  # options and questions can be long texts
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        qcol = next((c for c in QUESTION_COLUMNS if c in header), None)
-        if qcol is None:
-            missing.append(" or ".join(QUESTION_COLUMNS))
-        if missing:
-            raise DataError(path, "header (line 1)", missing[0], f"missing column(s) {missing}; the file has "
-                            f"{header[:20]} (is this PersonaMem's questions_*.csv?)", "missing_column")
+        qcol = question_column(reader.fieldnames or [], path, "header (line 1)")
         line = reader.line_num + 1
         rowno = 0
         try:
@@ -180,7 +204,7 @@ def read_questions(path: Path, skips: SkipLog) -> list[Question]:
     return out
 
 
-def context_examples(cid: str, turns: list[Turn], questions: Sequence[Question], ctx_path: Path,
+def context_examples(cid: str, turns: list[Turn], questions: Sequence[Question], ctx_path: Path | str,
                      ctx_where: str, skips: SkipLog) -> Iterator[tuple[str, Example, Path, str]]:
     """Examples of one context, grouped by end index (consecutive, so a group's history is built once)."""
     by_end: dict[int, list[Question]] = {}
@@ -204,20 +228,47 @@ def context_examples(cid: str, turns: list[Turn], questions: Sequence[Question],
             yield cid, ex, q.path, q.where
 
 
-def _split_inputs(inputs: Sequence[str | Path]) -> tuple[Path, Path]:
-    csvs = [Path(p) for p in inputs if str(p).lower().endswith(".csv")]
-    jsonls = [Path(p) for p in inputs if str(p).lower().endswith((".jsonl", ".json"))]
-    if len(inputs) != 2 or len(csvs) != 1 or len(jsonls) != 1:
-        raise ValueError("personamem takes two --input files: questions_*.csv and shared_contexts_*.jsonl, got "
-                         f"{[str(p) for p in inputs]}")
-    return (require_file(csvs[0], "PersonaMem questions file"),
-            require_file(jsonls[0], "PersonaMem shared contexts file"))
+_WHAT = {"questions": "PersonaMem questions file", "contexts": "PersonaMem shared contexts file"}
+
+
+def _kind_by_suffix(spec: str) -> str | None:
+    """A data file's extension says which input it is (a folder or a Hub id does not)."""
+    base = split_suffix(spec)[0].lower()
+    return "questions" if base.endswith(".csv") else "contexts" if base.endswith((".jsonl", ".json")) else None
+
+
+def _split_inputs(inputs: Sequence[str | Path], via_datasets: bool) -> tuple[Path | Table, Path | Table]:
+    """(questions, contexts), told apart by extension, or for a dataset by its columns: the
+    questions have a ``shared_context_id`` column, the contexts one column per context id."""
+    wrong = ValueError("personamem takes two --input files: questions_*.csv and shared_contexts_*.jsonl, got "
+                       f"{[str(p) for p in inputs]}")
+    if len(inputs) != 2:
+        raise wrong
+    kinds = [_kind_by_suffix(str(p)) for p in inputs]
+    if kinds[0] is not None and kinds[0] == kinds[1]:
+        raise wrong
+    found: dict[str, Path | Table] = {}
+    for spec, kind in zip(inputs, kinds):
+        src = open_input(spec, _WHAT[kind] if kind else "PersonaMem input", via_datasets)
+        if kind is None:
+            if not isinstance(src, Table):  # a local file of another kind
+                raise wrong
+            kind = "questions" if "shared_context_id" in src.columns else "contexts"
+        if kind in found:
+            raise wrong
+        found[kind] = src
+    return found["questions"], found["contexts"]
 
 
 def prepare_personamem(inputs: Sequence[str | Path], out_dir: str | Path, *, seed: int = 42,
-                       skip_invalid: bool = False, splits_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write PersonaMem to OUT_DIR; returns stats.json's content."""
-    q_file, ctx_file = _split_inputs(inputs)
+                       skip_invalid: bool = False, splits_dir: str | Path | None = None,
+                       via_datasets: bool = False) -> dict[str, Any]:
+    """Write PersonaMem to OUT_DIR; returns stats.json's content.
+
+    Each input is a file, a folder or a Hub dataset (``hub.open_input``; ``via_datasets`` reads
+    local files through ``datasets`` too)."""
+    q_src, ctx_src = _split_inputs(inputs, via_datasets)
+    q_file, ctx_file = label(q_src), label(ctx_src)
     meta: dict[str, Any] = {
         "dataset": "personamem", "source": SOURCE, "seed": seed,
         "split": {"unit": "shared_context_id", "rule": f"random 80/10/10 by context id, random.Random({seed})"
@@ -225,16 +276,15 @@ def prepare_personamem(inputs: Sequence[str | Path], out_dir: str | Path, *, see
         "group": "{shared_context_id}@{end_index_in_shared_context}",
     }
 
-    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path, str]]:
-        questions = read_questions(q_file, skips)
+    def examples(skips: SkipLog) -> Iterator[tuple[str, Example, Path | str, str]]:
+        questions = read_questions(q_src, skips)
         by_context: dict[str, list[Question]] = {}
         for q in questions:
             by_context.setdefault(q.context_id, []).append(q)
         meta["options_per_question"] = dict(sorted(Counter(len(q.choices) for q in questions).items()))
-        seen: dict[str, int] = {}
+        seen: dict[str, str] = {}  # context id -> where it was read
         unused = 0
-        for lineno, obj in iter_jsonl(ctx_file, skips):
-            where = f"line {lineno}"
+        for where, obj in jsonl_records(ctx_src, skips):
             try:
                 if not isinstance(obj, dict) or len(obj) != 1:
                     got = f"{len(obj)} keys" if isinstance(obj, dict) else f"a {type(obj).__name__}"
@@ -242,8 +292,8 @@ def prepare_personamem(inputs: Sequence[str | Path], out_dir: str | Path, *, see
                                     f"got {got}", "bad_record")
                 ((cid, raw),) = obj.items()
                 if cid in seen:
-                    raise DataError(ctx_file, where, cid, f"context id repeats line {seen[cid]}", "duplicate_context")
-                seen[cid] = lineno
+                    raise DataError(ctx_file, where, cid, f"context id repeats {seen[cid]}", "duplicate_context")
+                seen[cid] = where
                 turns = parse_turns(raw, ctx_file, where, cid)
             except DataError as e:
                 skips.handle(e)
@@ -261,5 +311,5 @@ def prepare_personamem(inputs: Sequence[str | Path], out_dir: str | Path, *, see
         meta["contexts_in_file"] = len(seen)
         meta["contexts_without_questions"] = unused
 
-    return run_prepare(out_dir, [q_file, ctx_file], examples,
+    return run_prepare(out_dir, [q_src, ctx_src], examples,
                        lambda units: split_random(units, SPLIT_FRACTIONS, seed), meta, skip_invalid, splits_dir)

@@ -2,6 +2,7 @@
 
     elasticmem-prepare synthetic --config configs/quickstart.yaml [key=value ...]
     elasticmem-prepare DATASET --input PATH [PATH ...] --out DIR [--seed N] [--skip-invalid] [--splits DIR]
+                       [--via-datasets]
     elasticmem-prepare DATASET prepare.input=[PATH] prepare.out=DIR [prepare.seed=N ...]   # the same, dotted
 
 (``elasticmem-prepare`` is the console script; ``python -m elasticmem.data.prepare`` is the same.)
@@ -9,7 +10,7 @@
 ``synthetic`` writes the generated task (knobs under ``data.synthetic``) to
 ``data.dir``; it needs no download and is deterministic by ``seed``.
 
-The real benchmarks read files you downloaded yourself (nothing is fetched):
+The real benchmarks read files you downloaded yourself, or a Hub dataset (below):
 
     locomo-qa               locomo10.json -> free-form QA with categories (A-Mem-style F1/BLEU)
     locomo-mc10             locomo10.json -> 10-way MC built locally (distractors by seed)
@@ -17,6 +18,12 @@ The real benchmarks read files you downloaded yourself (nothing is fetched):
     longmemeval             longmemeval_{s,m,oracle}.json -> free-form QA, streamed
     longmemeval-mc10-jsonl  published LongMemEval MC-10 JSONL (Percena lme-mc10)
     personamem              questions_{32k,128k}.csv + shared_contexts_{32k,128k}.jsonl -> MC-4
+
+An input PATH is a file, a folder (a dataset saved with ``save_to_disk``, or data files) or a
+Hugging Face Hub dataset (``owner/name``, ``hf://datasets/owner/name[@REVISION][/FILE]``, from
+the datasets cache or downloaded; only the cache with HF_DATASETS_OFFLINE=1); ``SPEC:SPLIT`` picks
+a split. Folders and Hub ids are read through ``datasets``; local files by the loaders' streaming
+readers, or with ``--via-datasets`` through ``datasets`` too (the same output). docs/data.md.
 
 Each writes DIR/{train,val,test}.jsonl, DIR/splits/{train,val,test}_ids.txt
 (the frozen split: conversation, question or context ids) and DIR/stats.json.
@@ -45,7 +52,8 @@ class PrepareOptions:
     """A real benchmark's options: ``prepare.KEY=VALUE`` or the flag."""
 
     input: list[str]
-    """Source file(s); personamem takes the questions CSV and the contexts JSONL."""
+    """Source file(s), folder(s) or Hub dataset id(s) (owner/name, hf://datasets/owner/name/FILE); personamem
+    takes the questions CSV and the contexts JSONL."""
     out: str
     """Output folder (the config's data.dir)."""
     seed: int = 42
@@ -54,6 +62,8 @@ class PrepareOptions:
     """Log and count invalid records in stats.json instead of stopping at the first."""
     splits: str | None = None
     """Reuse the frozen split lists DIR/{train,val,test}_ids.txt instead of drawing the split."""
+    via_datasets: bool = False
+    """Read local files through datasets.load_dataset too (folders and Hub ids always are); the same output."""
 
 
 OPTIONS = Options("prepare", PrepareOptions, flags={"input": Flag(metavar="PATH"), "out": Flag(metavar="DIR"),
@@ -68,14 +78,15 @@ def _usage() -> str:
     prog = _prog()
     return (f"usage: {prog} synthetic --config PATH [key=value ...]\n"
             f"       {prog} {{{','.join(REAL)}}} --input PATH [PATH ...] --out DIR "
-            f"[--seed N] [--skip-invalid] [--splits DIR]\n"
+            f"[--seed N] [--skip-invalid] [--splits DIR] [--via-datasets]\n"
             f"       {prog} DATASET --help")
 
 
 def prepare_real(name: str, inputs: list[str], out: str, seed: int = 42, skip_invalid: bool = False,
-                 splits_dir: str | None = None) -> dict[str, Any]:
+                 splits_dir: str | None = None, via_datasets: bool = False) -> dict[str, Any]:
     """Run one real-benchmark loader; returns what it wrote to OUT/stats.json."""
-    kw: dict[str, Any] = {"seed": seed, "skip_invalid": skip_invalid, "splits_dir": splits_dir}
+    kw: dict[str, Any] = {"seed": seed, "skip_invalid": skip_invalid, "splits_dir": splits_dir,
+                          "via_datasets": via_datasets}
     if name.startswith("locomo"):
         from elasticmem.data.locomo import prepare_locomo
 
@@ -100,7 +111,7 @@ def _real_main(name: str, rest: list[str]) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
-        stats = prepare_real(name, opts.input, opts.out, opts.seed, opts.skip_invalid, opts.splits)
+        stats = prepare_real(name, opts.input, opts.out, opts.seed, opts.skip_invalid, opts.splits, opts.via_datasets)
     except (SchemaError, FileNotFoundError, ValueError, OSError) as e:
         print(f"prepare {name}: error: {e}", file=sys.stderr)
         return 2

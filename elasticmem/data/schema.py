@@ -20,6 +20,10 @@ LoCoMo conversation asked 200 questions is written once, not 200 times). ``group
 
 Every validation error names the file, the line and the field, so a user can
 find the bad record in a multi-GB file.
+
+``load_split(DIR, SPLIT, as_dataset=True)`` gives a split as a Hugging Face ``datasets.Dataset``
+(memory-mapped Arrow), derived from the validated JSONL, which stays the contract: one row per
+example, its JSON object with the group's history filled in, a field the example lacks null.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, overload
 
 from elasticmem.config import SPLITS  # noqa: F401  (re-exported: the splits are a setting's vocabulary)
+from elasticmem.utils.common import sha256_file
+
+if TYPE_CHECKING:
+    import datasets
 
 
 class SchemaError(ValueError):
@@ -231,16 +239,19 @@ def iter_examples(path: str | os.PathLike) -> Iterator[Example]:
             yield Example.from_json(obj, where, histories)
 
 
-def read_examples(path: str | os.PathLike) -> list[Example]:
-    """Read and validate a whole JSONL file; duplicate ids are an error."""
-    out: list[Example] = []
-    seen: dict[str, int] = {}
-    for i, ex in enumerate(iter_examples(path)):
+def unique_examples(examples: Iterable[Example], path: str | os.PathLike) -> Iterator[Example]:
+    """``examples`` as they come; a duplicate id (a SchemaError naming ``path``) stops them."""
+    seen: set[str] = set()
+    for ex in examples:
         if ex.id in seen:
             raise SchemaError(f"{path}: duplicate example id {ex.id!r}")
-        seen[ex.id] = i
-        out.append(ex)
-    return out
+        seen.add(ex.id)
+        yield ex
+
+
+def read_examples(path: str | os.PathLike) -> list[Example]:
+    """Read and validate a whole JSONL file; duplicate ids are an error."""
+    return list(unique_examples(iter_examples(path), path))
 
 
 def write_examples(path: str | os.PathLike, examples: Iterable[Example], share_histories: bool = True) -> int:
@@ -272,12 +283,89 @@ def split_path(data_dir: str | os.PathLike, split: str) -> Path:
     return Path(data_dir) / f"{split}.jsonl"
 
 
-def load_split(data_dir: str | os.PathLike, split: str) -> list[Example]:
-    """Read ``DATA_DIR/SPLIT.jsonl``; a missing file names the command that prepares it."""
+@overload
+def load_split(data_dir: str | os.PathLike, split: str, as_dataset: Literal[False] = False) -> list[Example]: ...
+
+
+@overload
+def load_split(data_dir: str | os.PathLike, split: str, as_dataset: Literal[True]) -> "datasets.Dataset": ...
+
+
+def load_split(data_dir: str | os.PathLike, split: str, as_dataset: bool = False) -> "list[Example] | datasets.Dataset":
+    """Read ``DATA_DIR/SPLIT.jsonl``; a missing file names the command that prepares it.
+
+    ``as_dataset``: a ``datasets.Dataset`` instead (``examples_dataset``), memory-mapped from Arrow.
+    """
     p = split_path(data_dir, split)
     if not p.is_file():
         raise FileNotFoundError(
             f"split '{split}' not found at {p}; prepare the data first "
             f"(e.g. python -m elasticmem.data.prepare synthetic --config CONFIG)"
         )
-    return read_examples(p)
+    return examples_dataset(p, split) if as_dataset else read_examples(p)
+
+
+# --------------------------------------------------------------------------- as a datasets.Dataset
+
+ARROW_FORMAT = 1
+"""In the Arrow file's name: bump it when the rows or the validation change, so old files are not reused."""
+ARROW_CACHE = "elasticmem_splits"
+"""The Arrow files' folder under the datasets cache (``HF_DATASETS_CACHE``)."""
+_SCALARS = {str: "string", bool: "bool", int: "int64", float: "float64"}
+
+
+def example_features(extra_types: dict[str, set[type]]) -> "datasets.Features":
+    """The schema's columns, typed, then one column per source-specific field (``extra_types``:
+    field -> the Python types of its non-null values).
+
+    A field whose values are all str (or all bool, int, float) is a column of that type; any other
+    (lists such as LoCoMo's evidence, objects, values of mixed types) is a ``Json`` column, which
+    returns each value exactly as written.
+    """
+    import datasets
+
+    text = datasets.Value("string")
+    turn = {"role": text, "content": text, "date": text, "speaker": text}
+    core = {"id": text, "source": text, "group": text, "question": text, "choices": datasets.List(text),
+            "answer_index": datasets.Value("int64"), "question_type": text,
+            "history": datasets.List(datasets.List(turn)), "answer_text": text}
+    extra = {}
+    for k, types in extra_types.items():
+        only = next(iter(types)) if len(types) == 1 else None
+        extra[k] = datasets.Value(_SCALARS[only]) if only in _SCALARS else datasets.Json()
+    return datasets.Features({**core, **{k: v for k, v in extra.items() if k not in core}})
+
+
+def examples_dataset(path: str | os.PathLike, split: str | None = None) -> "datasets.Dataset":
+    """The JSONL file's examples as a ``datasets.Dataset``, memory-mapped from an Arrow file.
+
+    Every line is validated first (``iter_examples``, duplicate ids refused), so the Dataset is
+    only ever made of valid examples. The Arrow file lives in the datasets cache under the JSONL's
+    sha256: a later call on the same content opens it without reading the JSONL again, and a
+    re-prepared split (other content) gets a new one.
+    """
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    path = Path(path)
+    folder = Path(datasets.config.HF_DATASETS_CACHE) / ARROW_CACHE
+    arrow = folder / f"examples-v{ARROW_FORMAT}-{sha256_file(path)}.arrow"
+    if not arrow.is_file():
+        extra: dict[str, set[type]] = {}  # in first-seen order
+        for ex in unique_examples(iter_examples(path), path):
+            for k, v in ex.extra.items():
+                extra.setdefault(k, set()).update(() if v is None else (type(v),))
+        features = example_features(extra)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = arrow.with_name(f"{arrow.name}.{os.getpid()}.tmp")
+        try:
+            # Small batches: a row holds its whole history (LongMemEval-M: ~1.5M tokens).
+            with ArrowWriter(features=features, path=str(tmp), writer_batch_size=32) as writer:
+                for ex in iter_examples(path):
+                    row = ex.to_json()
+                    writer.write({k: row.get(k) for k in features})
+                writer.finalize()
+            os.replace(tmp, arrow)  # atomic: a concurrent reader sees the whole file or none
+        finally:
+            tmp.unlink(missing_ok=True)
+    return datasets.Dataset.from_file(str(arrow), split=datasets.NamedSplit(split) if split else None)

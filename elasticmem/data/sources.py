@@ -225,7 +225,7 @@ def _skip_ws(s: str, pos: int) -> int:
     return pos
 
 
-def need(obj: dict, key: str, typ: type | tuple[type, ...], path: Path, where: str, hint: str = "") -> Any:
+def need(obj: dict, key: str, typ: type | tuple[type, ...], path: Path | str, where: str, hint: str = "") -> Any:
     """``obj[key]`` checked for presence and type; a DataError naming the field otherwise.
 
     ``hint`` is appended when the key is missing: for a record's identifying
@@ -240,7 +240,7 @@ def need(obj: dict, key: str, typ: type | tuple[type, ...], path: Path, where: s
     return v
 
 
-def parse_turns(raw: Any, path: Path, where: str, field_name: str, date: str | None = None) -> list[Turn]:
+def parse_turns(raw: Any, path: Path | str, where: str, field_name: str, date: str | None = None) -> list[Turn]:
     """A session given as ``[{role, content, ...}, ...]``; extra keys (e.g. has_answer) are ignored."""
     if not isinstance(raw, list):
         raise DataError(path, where, field_name, f"must be a list of turns, got {type(raw).__name__}", "bad_field")
@@ -257,7 +257,7 @@ def parse_turns(raw: Any, path: Path, where: str, field_name: str, date: str | N
     return turns
 
 
-def parse_sessions(obj: dict, key: str, path: Path, where: str,
+def parse_sessions(obj: dict, key: str, path: Path | str, where: str,
                    date_keys: Sequence[str] = ()) -> list[list[Turn]]:
     """``obj[key]`` as a list of sessions; the first of ``date_keys`` present dates each session."""
     raw = need(obj, key, list, path, where)
@@ -290,7 +290,7 @@ def evidence_positions(raw_sessions: Any) -> list[list[int]]:
 MC10_FIELDS = "MC-10 records have question_id, question, choices, correct_choice_index, haystack_sessions"
 
 
-def read_mc10_record(obj: Any, path: Path, where: str, source: str, group: str | None = None) -> Example:
+def read_mc10_record(obj: Any, path: Path | str, where: str, source: str, group: str | None = None) -> Example:
     """One object of a published MC-10 JSONL (Percena locomo-mc10 / lme-mc10) as an Example.
 
     Fields: ``question_id, question, choices[10], correct_choice_index,
@@ -462,7 +462,7 @@ class PreparedWriter:
         # history is kept, not one per group (LongMemEval-M histories are ~1.5M tokens each).
         self._last: tuple[int, Any, str, str] | None = None
 
-    def add(self, unit: str, ex: Example, path: Path, where: str) -> None:
+    def add(self, unit: str, ex: Example, path: Path | str, where: str) -> None:
         """Append one example; a duplicate id or a group whose history changes is a DataError."""
         if ex.id in self._ids:
             raise DataError(path, where, "id", f"duplicate example id {ex.id!r}", "duplicate_id")
@@ -560,15 +560,18 @@ def _skipped_note(stats: dict[str, Any]) -> str:
     return f" ({n} record(s) skipped as invalid; see the log)" if n else ""
 
 
-def input_record(path: Path) -> dict[str, Any]:
-    """Path, size and sha256 of an input file, so stats.json pins what was prepared."""
-    return {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+def input_record(src: Any) -> dict[str, Any]:
+    """Path, size and sha256 of an input file, so stats.json pins what was prepared; an input read
+    through ``datasets`` (``hub.Table``, which imports this module) brings its own ``record``."""
+    if not isinstance(src, Path):
+        return dict(src.record)
+    return {"path": str(src), "bytes": src.stat().st_size, "sha256": sha256_file(src)}
 
 
 def run_prepare(
     out_dir: str | os.PathLike,
-    inputs: Sequence[Path],
-    examples: Callable[[SkipLog], Iterator[tuple[str, Example, Path, str]]],
+    inputs: Sequence[Any],
+    examples: Callable[[SkipLog], Iterator[tuple[str, Example, Path | str, str]]],
     split: Callable[[list[str]], dict[str, list[str]]],
     meta: dict[str, Any],
     skip_invalid: bool = False,
@@ -576,6 +579,7 @@ def run_prepare(
 ) -> dict[str, Any]:
     """The common driver: stream ``examples(skips)`` into a writer, split, write everything.
 
+    ``inputs`` are the files (or ``hub.Table`` datasets) read, for stats.json's ``inputs``.
     ``examples`` yields ``(unit, example, path, where)``; ``split`` maps the
     unit ids (in first-seen order) to splits unless ``splits_dir`` holds
     frozen lists. ``meta`` (dataset, source, split rule, loader counts ...) is

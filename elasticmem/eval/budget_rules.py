@@ -1,6 +1,6 @@
 """The learned budgets against the simple rules, and what the budgets look like question by question.
 
-The reading ladder (``elasticmem.eval.ladder``) evaluates each simple rule at its own cost:
+The reading ladder (``elasticmem.apps.ladder``) evaluates each simple rule at its own cost:
 top-K at B_max (``rule_top1``, ``rule_top2``, ``rule_top4``), the score gap (``rule_gap``: B_max
 for every memory whose score is within delta of the best, delta chosen on the validation split)
 and the learned policy's mean token total shared out evenly (``rule_spread``); with ``--caps``

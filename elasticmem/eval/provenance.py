@@ -3,7 +3,7 @@
     python -m pytest -q tests/unit/test_provenance.py
 
 Every ``results.json`` the evaluation writes (``elasticmem.eval.runner.finalize``) and every
-``ladder.json`` (``elasticmem.eval.ladder.ladder_data``) holds a ``provenance`` object:
+``ladder.json`` (``elasticmem.apps.ladder.ladder_data``) holds a ``provenance`` object:
 
 - ``code``: :func:`git_state` of the repository holding this package (found from the package's
   own file, not the working directory): ``commit`` (``git rev-parse HEAD``) and ``dirty``

@@ -3,7 +3,7 @@
 trajectory's evidence rows, 0 for the others), and the simple rules a learned policy has to beat:
 'topK' (max_budget for the K best-ranked memories, e.g. 'top1', 'top2') and 'gap' (max_budget for
 every memory whose retrieval score is within ``score_gap`` of the best). They measure reading apart
-from the policy (``elasticmem.eval.ladder``), supervise the warm-up, and a rule can stand in for the
+from the policy (``elasticmem.apps.ladder``), supervise the warm-up, and a rule can stand in for the
 policy at evaluation (``eval.budgets``).
 
     python -m pytest -q tests/unit/test_budget_rules.py tests/unit/test_warmup_reading.py tests/unit/test_elasticmem.py

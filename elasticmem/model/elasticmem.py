@@ -2,12 +2,14 @@
 
 Its methods are the trajectory's steps, each reading the same state (the LoRA reasoner and its
 adapter switch, the bank, the policy and projector); the steps' parts are plain functions in their
-own modules: the bank's checks, recent/given/included rows and the key-like query ids in
-``retrieval.py``, the fixed budget modes in ``budget_modes.py``, the memories' soft tokens, KV
-pieces and text embeddings in ``memory_content.py``, saving and loading in ``checkpoint.py``,
-activation checkpointing in ``activation_checkpointing.py``. Its records are in
-``trajectories.py``, the prompt's text in ``prompt.py``, generation and token log-probabilities in
-``generation.py``.
+own modules: the query state (step 1) in ``query_state.py``, the bank's checks, recent/given/included
+rows and the key-like query ids in ``retrieval.py``, the fixed budget modes in ``budget_modes.py``,
+the memories' soft tokens, KV pieces and text embeddings in ``memory_content.py``, the rollout and
+teacher forcing in ``rollout.py`` (their token bookkeeping in ``token_counts.py``), the scoring
+and reconstruction log-probs in ``scoring.py``, saving and loading in ``checkpoint.py``, activation
+checkpointing in ``activation_checkpointing.py``; those that call back into the model name what
+they use in ``steps.py``. Its records are in ``trajectories.py``, the prompt's text in
+``prompt.py``, generation and token log-probabilities in ``generation.py``.
 
 A trajectory for query q (DESIGN.md section 1 items 2-5, 8):
 
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -52,26 +53,17 @@ from elasticmem.bank.index import KeyIndex, build_index
 from elasticmem.bank.store import Bank, BankError
 from elasticmem.config import IndexConfig, MemoryConfig
 from elasticmem.data.schema import Example
-from elasticmem.model import checkpoint
+from elasticmem.model import checkpoint, query_state, rollout, scoring
 from elasticmem.model.activation_checkpointing import enable_checkpointing
 from elasticmem.model.budget_modes import fixed_budgets, is_fixed_mode
 from elasticmem.model.budget_policy import BudgetPolicy, BudgetSample
-from elasticmem.model.generation import (
-    chunked_prefill,
-    decode_answers,
-    decoding_config,
-    eos_token_ids,
-    generate_answers,
-    read_only,
-    token_logps,
-)
-from elasticmem.model.injection import Assembled, Layout, assemble, left_pad
+from elasticmem.model.generation import decoding_config, eos_token_ids, generate_answers, token_logps
+from elasticmem.model.injection import Assembled, Layout, assemble
 from elasticmem.model.memory_content import (chunk_ids, forget_chunk_ids, kv_memories, projected_memories,
                                              text_memories)
 from elasticmem.model.projector import Projector
 from elasticmem.model.prompt import encode_prompt
-from elasticmem.model.retrieval import (build_mapped_index, check_bank, given_rows, include_rows, key_query_ids,
-                                        recent_rows)
+from elasticmem.model.retrieval import build_mapped_index, check_bank, given_rows, include_rows, recent_rows
 from elasticmem.model.trajectories import ScoreOutput, Trajectories
 
 
@@ -207,53 +199,10 @@ class ElasticMem(nn.Module):
 
     # ------------------------------------------------------------------ step 1: query states
 
-    def _query_states(
-        self, prompts: list[list[int]], questions: list[str], G: int, greedy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Control tokens [B*G], their log-probs [B*G] and query states [B*G, d_h]."""
-        B, device, mode = len(prompts), self.device, self.cfg.retrieval
-        if mode == "semantic":
-            h = self.semantic.encode_queries(questions).to(device).repeat_interleave(G, 0)
-            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
-        if mode == "recent":  # no query: the latest chunks are taken
-            h = torch.zeros(B * G, self.bank.hidden_size, device=device)
-            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
-        if mode in ("mean", "prompt", "layer_mean"):  # the bank's key function on the question, adapter off
-            h = self._key_like_states(questions).repeat_interleave(G, 0)
-            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
-        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with self._decoder(disable_adapter=mode == "frozen"):
-            # only the last position's states are read below, and the cache: a chunked read gives both
-            chunked = chunked_prefill(self.base.get_decoder(), mask, pos, input_ids=ids)
-            H, cache = chunked or self._forward_hidden(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                                       use_cache=mode == "control")
-        if mode != "control":
-            h = H[:, -1].float().repeat_interleave(G, 0)
-            return torch.full((B * G,), -1, dtype=torch.long), torch.zeros(B * G), h
-        logits = self._logits(H[:, -1]) / (1.0 if greedy else self.cfg.control_temperature)
-        logp = torch.log_softmax(logits, -1)  # [B, V]
-        if greedy:
-            a = logp.argmax(-1, keepdim=True).expand(B, G)
-        else:
-            a = torch.multinomial(logp.exp(), G, replacement=True)  # [B, G]
-        logp_a = logp.gather(1, a).reshape(-1)
-        cache.batch_repeat_interleave(G)
-        mask_g = torch.cat([mask.repeat_interleave(G, 0), torch.ones(B * G, 1, dtype=torch.long, device=device)], 1)
-        pos_a = mask.sum(-1, keepdim=True).repeat_interleave(G, 0)
-        H_a, _ = self._forward_hidden(input_ids=a.reshape(-1, 1), attention_mask=mask_g, position_ids=pos_a,
-                                      cache=cache, use_cache=True)
-        return a.reshape(-1).cpu(), logp_a.cpu(), H_a[:, -1].float()
-
-    def _key_like_states(self, questions: list[str]) -> torch.Tensor:
-        """[B, d] query states of retrieval 'mean' / 'layer_mean' (the question tokenised as the
-        bank's chunks, pooled like its keys) and 'prompt' (last state of memory.query_template)."""
-        from elasticmem.bank.encoding import key_states
-
-        ids, spec = key_query_ids(self.cfg, self.bank, self.tokenizer, questions)
-        with self._decoder(disable_adapter=True):
-            return key_states(self.base.get_decoder(), ids, spec, self.tokenizer.pad_token_id)
+    def _query_states(self, prompts: list[list[int]], questions: list[str], G: int, greedy: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Control tokens [B*G], their log-probs [B*G] and query states [B*G, d_h] (``query_state``)."""
+        return query_state.query_states(self, prompts, questions, G, greedy)
 
     # ------------------------------------------------------------------ steps 2-4
 
@@ -319,7 +268,7 @@ class ElasticMem(nn.Module):
         if self.cfg.injection == "text":
             return text_memories(self.base.get_input_embeddings(), self._chunk_ids, rows, self.device)
         if self.rotary is not None:
-            return kv_memories(self.bank, rows, budgets)
+            return kv_memories(self.bank, rows, budgets, self.device)  # dequantized on the model's device
         return projected_memories(self.bank, self.projector, rows, budgets, self.device)
 
     def _assemble(self, layouts: Sequence[Layout]) -> Assembled:
@@ -407,7 +356,7 @@ class ElasticMem(nn.Module):
         ``include_rows`` and ``budgets`` ('max': max_budget each; 'oracle': max_budget for the
         rows of ``evidence[i]``, 0 for the others) as in ``teacher_forced``; ``memories``: per
         example, exactly these bank rows (ordered by score) instead of the retrieved ones. They
-        measure reading apart from retrieval and budgets (``elasticmem.eval.ladder``).
+        measure reading apart from retrieval and budgets (``elasticmem.apps.ladder``).
         ``memo``: a dict kept by the caller across calls; an example whose prompt and group were
         seen before reuses that call's control token, memories and budgets (all greedy, so equal)
         instead of recomputing them: an agent episode, whose query is its objective at every
@@ -436,31 +385,7 @@ class ElasticMem(nn.Module):
         learnt). ``score`` of the result gives the target's log-probs with gradients
         (``logp_answer`` here is 0: nothing was sampled).
         """
-        if len(answers) != len(batch):
-            raise ValueError(f"{len(batch)} examples but {len(answers)} answers")
-        prompts, suffixes, groups, a, logp_a, h, retrieved, scores, mask = self._query_and_retrieve(batch, 1, True)
-        rows, scores, mask = self._include(h, retrieved, scores, mask, include_rows)
-        N, Z = rows.shape
-        b, logp_b, ent_b = self._budgets(budgets, h.detach(), rows, scores, mask, False, generator, include_rows)
-        _, counts = self._soft_tokens(rows, b) if Z else (None, torch.zeros(N, 0, dtype=torch.long))
-        T = max(1, max(len(t) for t in answers))
-        answer_ids = torch.full((N, T), self.tokenizer.pad_token_id, dtype=torch.long)
-        answer_mask = torch.zeros(N, T, dtype=torch.bool)
-        for i, t in enumerate(answers):
-            answer_ids[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-            answer_mask[i, : len(t)] = True
-        n_mem = (counts > 0).sum(-1)
-        task_tokens = torch.tensor([len(prompts[i]) + len(suffixes[i]) + (a[i] >= 0) for i in range(N)])
-        return Trajectories(
-            example_ids=[ex.id for ex in batch], query_index=torch.arange(N), prompt_ids=prompts,
-            suffix_ids=suffixes, groups=groups, control=a, rows=rows, scores=scores, mask=mask, budgets=b,
-            soft_counts=counts, answer_ids=answer_ids, answer_mask=answer_mask,
-            answers=[self.tokenizer.decode(t, skip_special_tokens=True).strip() for t in answers],
-            logp_control=logp_a, logp_budget=logp_b, entropy_budget=ent_b, logp_answer=torch.zeros(N, T),
-            query_state=h.detach().cpu(), answer_temperature=1.0, control_temperature=1.0, greedy=False,
-            num_tokens=task_tokens + counts.sum(-1) + n_mem * len(self.sep_ids) + answer_mask.sum(-1),
-            memory_tokens=counts.sum(-1), budget_actions=self.cfg.injection == "latent", retrieved_rows=retrieved,
-        )
+        return rollout.teacher_forced(self, batch, answers, include_rows, budgets, generator)
 
     def reconstruction_logps(
         self, rows: torch.Tensor, budgets: torch.Tensor, prompt: Sequence[int], suffix: Sequence[int]
@@ -472,19 +397,7 @@ class ElasticMem(nn.Module):
         token, the target (xRAG's first stage). Returns (log-probs [n, T], mask [n, T]), with
         gradients to the projector only.
         """
-        soft, _ = self._soft_tokens(rows.reshape(-1, 1).cpu(), budgets.reshape(-1, 1).cpu())
-        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
-        targets = [self._chunk_ids(int(r)) + [eos] for r in rows.reshape(-1).tolist()]
-        layouts = [Layout(list(prompt), None, soft[i], list(suffix), t) for i, t in enumerate(targets)]
-        x = self._assemble(layouts)
-        with self._decoder(disable_adapter=True):
-            H, _ = self._forward_hidden(**x.forward_kwargs(), use_cache=False)
-        lengths = torch.tensor([len(t) for t in targets])
-        tgt = torch.zeros(len(targets), int(lengths.max()), dtype=torch.long)
-        for i, t in enumerate(targets):
-            tgt[i, : len(t)] = torch.as_tensor(t)
-        mask = torch.arange(tgt.shape[1])[None, :] < lengths[:, None]
-        return self._target_logps(H, x.answer_start, tgt, lengths), mask.to(H.device)
+        return scoring.reconstruction_logps(self, rows, budgets, prompt, suffix)
 
     def _given(self, h: torch.Tensor, memories: Sequence[set[int]]):
         """``retrieval.given_rows``: rows, scores and mask [N, Z'] of exactly the ``memories``, ranked."""
@@ -502,63 +415,9 @@ class ElasticMem(nn.Module):
                  include_rows: Sequence[set[int]] | None = None, budgets: str = "policy",
                  memo: dict | None = None, memories: Sequence[set[int]] | None = None,
                  evidence: Sequence[set[int]] | None = None) -> Trajectories:
-        if not batch:
-            raise ValueError("empty batch")
-        if G < 1 or temperature <= 0:
-            raise ValueError(f"group_size must be >= 1 and temperature > 0, got {G} and {temperature}")
-        if memo is not None and not (greedy and G == 1 and include_rows is None and budgets == "policy"
-                                     and memories is None):
-            raise ValueError("memo is for greedy rollouts with the policy's budgets and the retrieved memories")
-        if (memories is not None or evidence is not None) and G != 1:
-            raise ValueError("memories and evidence are given per example: for greedy rollouts (G = 1)")
-        t0 = time.perf_counter()
-        keys = texts = None
-        if memo is not None:
-            texts = [self.encode_texts(ex) for ex in batch]
-            keys = [(tuple(t[0]), ex.group) for t, ex in zip(texts, batch)]
-        if keys is not None and all(k in memo for k in keys):
-            prompts, suffixes, groups = [t[0] for t in texts], [t[1] for t in texts], [ex.group for ex in batch]
-            a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b = (
-                torch.cat(parts) for parts in zip(*(memo[k] for k in keys)))
-            t1 = t2 = time.perf_counter()
-        else:
-            prompts, suffixes, groups, a, logp_a, h, rows, scores, mask = self._query_and_retrieve(batch, G, greedy,
-                                                                                                   texts)
-            if memories is not None:
-                rows, scores, mask = self._given(h, memories)
-            rows, scores, mask = self._include(h, rows, scores, mask, include_rows)
-            t1 = time.perf_counter()
-            h_pol = h.detach() if self.cfg.detach_policy_inputs else h
-            budgets, logp_b, ent_b = self._budgets(budgets, h_pol, rows, scores, mask, greedy, evidence=evidence)
-            t2 = time.perf_counter()
-            if keys is not None:
-                for i, k in enumerate(keys):
-                    memo[k] = tuple(t[i : i + 1] for t in (a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b))
-        soft, counts = self._soft_tokens(rows, budgets)
-        N = len(groups)
-        layouts = [Layout(prompts[i // G], None if a[i] < 0 else int(a[i]), soft[i], suffixes[i // G], [])
-                   for i in range(N)]
-        batch_in = self._assemble(layouts)
-        answer_ids, answer_mask, logp_ans = self._generate(batch_in, temperature, greedy)
-        t3 = time.perf_counter()
-        n_mem = (counts > 0).sum(-1)
-        task_tokens = torch.tensor([len(prompts[i // G]) + len(suffixes[i // G]) + (a[i] >= 0) for i in range(N)])
-        memory_tokens = counts.sum(-1)
-        num_tokens = task_tokens + memory_tokens + n_mem * len(self.sep_ids) + answer_mask.sum(-1)
-        return Trajectories(
-            example_ids=[ex.id for ex in batch for _ in range(G)],
-            query_index=torch.arange(len(batch)).repeat_interleave(G),
-            prompt_ids=[prompts[i // G] for i in range(N)], suffix_ids=[suffixes[i // G] for i in range(N)],
-            groups=groups, control=a, rows=rows, scores=scores, mask=mask, budgets=budgets, soft_counts=counts,
-            answer_ids=answer_ids, answer_mask=answer_mask,
-            answers=decode_answers(self.tokenizer, answer_ids, answer_mask, self.eos_ids),
-            logp_control=logp_a, logp_budget=logp_b, entropy_budget=ent_b, logp_answer=logp_ans,
-            query_state=h.detach().cpu(), answer_temperature=1.0 if greedy else temperature,
-            control_temperature=1.0 if greedy else self.cfg.control_temperature, greedy=greedy,
-            num_tokens=num_tokens, memory_tokens=memory_tokens,
-            timings={"retrieval": t1 - t0, "policy": t2 - t1, "generation": t3 - t2},
-            budget_actions=self.cfg.injection == "latent",
-        )
+        """``rollout.rollout``: G trajectories per example, sampled or greedy."""
+        return rollout.rollout(self, batch, G, temperature, greedy, include_rows, budgets, memo, memories,
+                               evidence)
 
     def _is_eos(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.isin(ids, torch.tensor(self.eos_ids, dtype=ids.dtype))
@@ -583,46 +442,12 @@ class ElasticMem(nn.Module):
         tokens are inputs of the answer) and the budget policy (its own log-probs); with
         ``detach_policy_inputs=False`` also the adapter through h.
         """
-        device, mode = self.device, self.cfg.retrieval
-        N = len(traj.example_ids)
-        answers = [traj.answer_ids[i][traj.answer_mask[i]].tolist() for i in range(N)]
-        x = self._assemble(self.trajectory_layouts(traj, answers))
-        H, _ = self._forward_hidden(**read_only(x).forward_kwargs(), use_cache=False)
-        ar = torch.arange(N, device=device)
-        if mode == "control":
-            logp_control = self._token_logps(H[ar, x.query_pos - 1], traj.control, traj.control_temperature)
-        else:
-            logp_control = torch.zeros(N, device=device)
-        own_state = mode in ("control", "query_only")
-        h_query = H[ar, x.query_pos].float() if own_state else None
-        h = h_query if own_state else traj.query_state.to(device)
-        if self.cfg.detach_policy_inputs:
-            h = h.detach()
-        logp_b, ent_b = self._allocate(h, traj.rows, traj.scores, traj.mask, traj.greedy, traj.budgets)
-        logp_ans = self._target_logps(H, x.answer_start, traj.answer_ids, traj.answer_mask.sum(-1),
-                                      traj.answer_temperature)
-        return ScoreOutput(logp_control, logp_b, ent_b, logp_ans, h_query)
+        return scoring.score(self, traj)
 
     def trajectory_layouts(self, traj: Trajectories, answers: Sequence[Sequence[int]]) -> list[Layout]:
         """Each trajectory's input as recorded ([prompt, a, its memories' soft tokens, suffix]),
         with ``answers[i]`` as the answer tokens to read."""
-        soft, _ = self._soft_tokens(traj.rows, traj.budgets)
-        return [Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
-                       traj.suffix_ids[i], list(answers[i]))
-                for i in range(len(traj.example_ids))]
-
-    def _target_logps(self, H: torch.Tensor, answer_start: torch.Tensor, targets: torch.Tensor,
-                      lengths: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """[N, T] log-probs of the right-aligned target tokens ``targets`` [N, T] at ``temperature``
-        (0 at t >= lengths[i]); ``H`` [N, L, d] final states, ``answer_start`` [N] (assemble's)."""
-        N, T = targets.shape
-        device = H.device
-        # target token t sits at answer_start + t and is predicted from the position before it
-        t_idx = torch.arange(T, device=device)
-        pos = (answer_start[:, None] - 1 + t_idx[None, :]).clamp(max=H.shape[1] - 1)
-        logp = self._token_logps(H[torch.arange(N, device=device)[:, None], pos], targets, temperature)
-        valid = t_idx[None, :] < lengths.to(device)[:, None]
-        return torch.where(valid, logp, torch.zeros_like(logp))
+        return scoring.trajectory_layouts(self, traj, answers)
 
     # ------------------------------------------------------------------ persistence
 

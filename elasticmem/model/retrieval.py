@@ -3,7 +3,7 @@ checks at construction (its encoder and keys), memory.retrieval_map's index, the
 token ids of the key-like retrieval modes, the latest rows of a group (retrieval 'recent'), exactly
 given memories ranked as retrieval would rank them, and evidence rows put among the retrieved ones.
 
-``ElasticMem._key_like_states``, ``_retrieve``, ``_given`` and ``_include`` call these.
+``query_state.key_like_states``, ``ElasticMem._retrieve``, ``_given`` and ``_include`` call these.
 
     python -m pytest -q tests/unit/test_elasticmem.py tests/unit/test_retrieval_options.py
 """

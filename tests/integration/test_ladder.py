@@ -1,4 +1,4 @@
-"""The reading ladder (python -m elasticmem.eval.ladder) on the tiny mechanism task, checked
+"""The reading ladder (python -m elasticmem.apps.ladder) on the tiny mechanism task, checked
 against the data: each rung reads what it says, its figures recount from its predictions, and
 each rung is paired with the one above it.
 
@@ -22,7 +22,7 @@ CAPS = (2, 6)
 def ladder_run(request, tmp_path_factory):
     """Data, a bank (with per-layer KV for content=kv), an untrained checkpoint with a perturbed
     policy, and its ladder with the cost dial."""
-    from elasticmem.eval import ladder
+    from elasticmem.apps import ladder
 
     root = tmp_path_factory.mktemp(f"ladder_{request.param}")
     overrides = [f"data.dir={root}/data", f"bank.dir={root}/bank", "data.synthetic.num_histories=20",
@@ -76,7 +76,7 @@ def test_each_rung_reads_what_it_says(ladder_run):
 
 def test_figures_recount_from_predictions_and_rungs_pair_with_the_one_above(ladder_run):
     from elasticmem.eval import stats
-    from elasticmem.eval.ladder import RUNGS, _applies
+    from elasticmem.apps.ladder import RUNGS, _applies
 
     cfg, out = ladder_run
     data = json.loads((out / "ladder.json").read_text())
@@ -123,12 +123,13 @@ def test_cost_dial_keeps_each_question_within_its_cap(ladder_run):
 
 
 def test_pool_over_seeds_recounts_each_seed_and_sums_the_pairs(ladder_run, tmp_path):
-    """``python -m elasticmem.eval.ladder pool``: a second "seed" is the ladder with some learned
+    """``python -m elasticmem.apps.ladder pool``: a second "seed" is the ladder with some learned
     answers flipped; per seed, pooled (per question: each question's mean over the seeds, n =
     the questions) and by-seed figures recount from the two folders."""
     import shutil
 
-    from elasticmem.eval import ladder, stats
+    from elasticmem.apps import ladder
+    from elasticmem.eval import stats
 
     _, out = ladder_run
     other = tmp_path / "seed1"

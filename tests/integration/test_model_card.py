@@ -66,7 +66,7 @@ def _eval_command_is_valid(blocks: dict[str, list[str]], folder: Path) -> None:
 
     cmd = shlex.split(blocks["bash"][0])
     assert cmd[:2] == ["elasticmem-eval", "--config"] and f"checkpoint={folder}" in cmd
-    from elasticmem.eval.cli import _expand  # checkpoint=, system=: the command line's short keys
+    from elasticmem.apps.evaluate import _expand  # checkpoint=, system=: the command line's short keys
 
     load(Config, cmd[2], _expand(cmd[3:]))  # every key exists and every value has its type
 

@@ -91,15 +91,15 @@ def test_build_append_as_flag_or_key(monkeypatch, capsys):
 
 
 def test_eval_limit_flag_is_the_config_key(monkeypatch, capsys):
-    from elasticmem.eval import cli
+    from elasticmem.apps import evaluate
 
-    runs = [_parsed(monkeypatch, cli.main, [*PRESET, *form], cli)
+    runs = [_parsed(monkeypatch, evaluate.main, [*PRESET, *form], evaluate)
             for form in (["--limit", "7"], ["eval.limit=7"], ["limit=7"])]
     assert {cfg.eval.limit for cfg, _ in runs} == {7}
     assert all("eval.limit=7" in args.overrides for _, args in runs)  # the variants get it too
-    err = _exit_message(capsys, lambda: cli.main([*PRESET, "--limit", "7", "limit=3"]))
+    err = _exit_message(capsys, lambda: evaluate.main([*PRESET, "--limit", "7", "limit=3"]))
     assert "config key 'eval.limit' given twice" in err
-    text = _help(capsys, lambda: cli.main(["--help"]))
+    text = _help(capsys, lambda: evaluate.main(["--help"]))
     assert "--limit INT eval.limit (int, default 0): Evaluate only the first N examples" in text
 
 
@@ -151,16 +151,16 @@ def test_retrieval_map_errors(monkeypatch, capsys):
 
 def _ladder_call(monkeypatch, argv) -> list[str]:
     """The evaluate.py arguments the ladder passes on (evaluate.py itself is not run)."""
-    from elasticmem.eval import cli, ladder
+    from elasticmem.apps import evaluate, ladder
 
     calls = []
-    monkeypatch.setattr(cli, "main", lambda a: calls.append(a) or 1)  # 1: the ladder stops there
+    monkeypatch.setattr(evaluate, "main", lambda a: calls.append(a) or 1)  # 1: the ladder stops there
     assert ladder.main(argv) == 1
     return calls[0]
 
 
 def test_ladder_options_as_flags_or_keys(monkeypatch, capsys):
-    from elasticmem.eval import ladder
+    from elasticmem.apps import ladder
 
     common = [*PRESET, "eval.checkpoint=C", "--limit", "3"]
     by_flag = _ladder_call(monkeypatch, [*common, "--caps", "8,16", "--rungs", "no_memory,learned_cap8",
@@ -182,7 +182,7 @@ def test_ladder_options_as_flags_or_keys(monkeypatch, capsys):
 
 
 def test_pool_options_as_flags_or_keys(tmp_path, capsys):
-    from elasticmem.eval import ladder
+    from elasticmem.apps import ladder
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -225,7 +225,9 @@ def test_prepare_options_as_flags_or_keys(monkeypatch, capsys):
 
     by_flag = _prepared(monkeypatch, ["locomo-qa", "--input", "a.json", "b.json", "--out", "o", "--seed", "1",
                                       "--skip-invalid", "--splits", "s"])
-    assert by_flag == ("locomo-qa", ["a.json", "b.json"], "o", 1, True, "s")
+    assert by_flag == ("locomo-qa", ["a.json", "b.json"], "o", 1, True, "s", False)
+    assert _prepared(monkeypatch, ["locomo-qa", "--input", "a.json", "--out", "o", "--via-datasets"])[-1] is True
+    assert _prepared(monkeypatch, ["locomo-qa", "--input", "a.json", "--out", "o", "prepare.via_datasets=true"])[-1] is True
     assert _prepared(monkeypatch, ["locomo-qa", "prepare.input=[a.json,b.json]", "prepare.out=o", "prepare.seed=1",
                                    "prepare.skip_invalid=true", "prepare.splits=s"]) == by_flag
     # a list flag takes every value after it: the dotted option after --input's paths is still one
@@ -294,7 +296,7 @@ def test_every_option_has_a_docstring_and_a_distinct_flag():
     import importlib
 
     specs = []
-    for mod in ("elasticmem.bank.cli", "elasticmem.eval.ladder", "elasticmem.warmup.retrieval_map",
+    for mod in ("elasticmem.bank.cli", "elasticmem.apps.ladder", "elasticmem.warmup.retrieval_map",
                 "elasticmem.data.prepare", "elasticmem.serve.cli"):
         specs += [v for v in vars(importlib.import_module(mod)).values() if isinstance(v, Options)]
     assert {s.section for s in specs} == {"build", "ladder", "pool", "map", "prepare", "serve"}

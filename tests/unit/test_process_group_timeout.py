@@ -72,7 +72,7 @@ def test_training_accelerator_gets_train_dist_timeout_s(tmp_path):
 
 
 def test_evaluate_cli_creates_its_state_with_eval_dist_timeout_s(monkeypatch):
-    from elasticmem.eval import cli
+    from elasticmem.apps import evaluate
     from elasticmem.utils import distributed
 
     asked = []
@@ -86,7 +86,7 @@ def test_evaluate_cli_creates_its_state_with_eval_dist_timeout_s(monkeypatch):
 
     monkeypatch.setattr(distributed, "process_state", recording)
     with pytest.raises(Stop):
-        cli.main(["--config", str(ROOT / "configs/tiny.yaml"), "eval.dist_timeout_s=77"])
+        evaluate.main(["--config", str(ROOT / "configs/tiny.yaml"), "eval.dist_timeout_s=77"])
     with pytest.raises(Stop):
-        cli.main(["--config", str(ROOT / "configs/tiny.yaml")])
+        evaluate.main(["--config", str(ROOT / "configs/tiny.yaml")])
     assert asked == [77.0, 86400.0]

@@ -66,7 +66,7 @@ def tiny_eval(tmp_path_factory):
     """Tiny data, its bank, an untrained checkpoint, and evaluate.py's run of it on 12 questions."""
     import torch
 
-    from elasticmem.eval import cli
+    from elasticmem.apps import evaluate
 
     from elasticmem.backbone import load_backbone
     from elasticmem.bank import build_bank
@@ -84,13 +84,13 @@ def tiny_eval(tmp_path_factory):
     build_system(cfg).model.save_pretrained(root / "ckpt")
     args = [*data, f"eval.checkpoint={root / 'ckpt'}", f"eval.output_dir={root / 'ev'}", "eval.limit=12",
             "eval.split=val", "eval.plots=false", "eval.case_studies=0"]
-    assert cli.main(["--config", str(ROOT / "configs/tiny.yaml"), *args]) == 0  # evaluate.py's main
+    assert evaluate.main(["--config", str(ROOT / "configs/tiny.yaml"), *args]) == 0  # evaluate.py's main
     return root, args
 
 
 def test_results_json_names_the_commit_the_dirty_flag_and_the_hashes(tiny_eval):
     from elasticmem.config import load_config
-    from elasticmem.eval import cli
+    from elasticmem.apps import evaluate
 
     root, args = tiny_eval
     prov = json.loads((root / "ev" / "results.json").read_text())["provenance"]
@@ -99,7 +99,7 @@ def test_results_json_names_the_commit_the_dirty_flag_and_the_hashes(tiny_eval):
     assert prov["code"]["dirty"] is bool(porcelain.strip())
     assert Path(prov["code"]["repo"]).resolve() == ROOT.resolve()
     # the config as the CLI resolves it, hashed here from its canonical JSON
-    cfg = load_config(ROOT / "configs/tiny.yaml", cli._expand(args))
+    cfg = load_config(ROOT / "configs/tiny.yaml", evaluate._expand(args))
     text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     assert prov["config_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert prov["bank_manifest"]["sha256"] == _sha(root / "bank" / "manifest.json")
@@ -321,7 +321,7 @@ def seed_ladders(tmp_path):
 
 
 def test_pool_pools_per_question_and_says_so(seed_ladders):
-    from elasticmem.eval import ladder
+    from elasticmem.apps import ladder
     from elasticmem.eval.rescore import rescore_file
 
     dirs = [seed_ladders / f"s{s}" / "ladder" for s in range(3)]
@@ -370,7 +370,7 @@ def test_persona_results_pool_per_question_from_the_answers_text(seed_ladders, t
 
 
 def test_ladder_json_records_its_provenance(seed_ladders):
-    from elasticmem.eval.ladder import ladder_data
+    from elasticmem.apps.ladder import ladder_data
 
     lad = seed_ladders / "s0" / "ladder"
     data = ladder_data(lad, ["no_memory", "latent_learned"])

@@ -13,7 +13,9 @@ key checked before the body is read, /openapi.json and /docs behind the key, lon
 not 500), one poisoned request in a batch of 8, shutdown (503), the tenants taken in turn, a memory
 of another group withheld, and finish_reason; DELETE of one memory, a session or a group by its
 tenant only (401 without a key, 403 for another tenant's group, 404 for a memory the group does not
-hold), gone from listings, answers and the bank's files, and no longer counted by the quota.
+hold), gone from listings, answers and the bank's files, and no longer counted by the quota; and,
+on the real text-RAG memory over a FAISS index (flat, ivf), from every copy the server holds
+(tests/forget_support.py).
 """
 
 from __future__ import annotations
@@ -756,3 +758,39 @@ def test_delete_forgets_for_the_owner_only_and_frees_its_quota(tiny_live):
         assert m["model"]["forget_errors"] == 0
 
     run(go())
+
+
+@pytest.mark.parametrize("index_type", ["flat", "ivf"])
+def test_delete_reaches_every_copy_the_server_holds(tmp_path, index_type):
+    """DELETE on the app over the real text-RAG LiveMemory (MiniLM retrieval, a FAISS index saved in
+    the bank: ivf; flat is never saved): once answered, no file under the bank holds the memory's
+    text, key or cached state, the FAISS index holds the live rows only and the deleted key as a
+    query finds live rows, the retriever holds no embedding of the text and no token ids of the
+    chunk stay memoised (tests/forget_support.py, as tests/unit/test_forget_copies.py checks forget)."""
+    from forget_support import check_no_copy_holds, fill_bank, holders, session, text_rag, traces
+
+    root = tmp_path / "bank"
+    fill_bank(root, {"a/notes": 3, "a/more": 2, "b/x": 2})
+    live = text_rag(root, index_type)
+    assert (root / "index.faiss").is_file() == (index_type == "ivf")
+    app = make_app(live)
+
+    async def go():
+        async with served(app) as s:
+            assert (await s.a.post("/v1/memory/a/notes", json={"turns": session(40)})).json()["added"] == 1
+            listed = (await s.a.get("/v1/memory/a/notes")).json()["chunks"]
+            row, text = listed[1]["row"], listed[1]["text"]  # one the saved index holds
+            ans = (await s.a.post("/v1/ask", json=ask("a/notes", text))).json()
+            assert row in {m["row"] for m in ans["memories"]}  # retrieved (its tokens memoised) before
+            key, needles = live.bank.keys(row, row + 1)[0].clone(), traces(live.bank, row)
+            assert all(holders(root, n) for n in needles.values())
+            r = await s.a.delete(f"/v1/memory/a/notes?row={row}")
+            assert r.status_code == 200 and r.json()["rows"] == [row] and r.json()["purged"], r.text
+            ans = (await s.a.post("/v1/ask", json=ask("a/notes", text))).json()
+            assert ans["memories"] and row not in {m["row"] for m in ans["memories"]}
+        return row, text, key, needles
+
+    row, text, key, needles = run(go())
+    check_no_copy_holds(live, row, text, key)
+    for what, needle in needles.items():
+        assert not holders(root, needle), f"the {what} of row {row} is still in {holders(root, needle)}"

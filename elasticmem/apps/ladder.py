@@ -34,9 +34,9 @@ memory tokens and the best rule under each cap (paired), and the distribution of
 budget vectors (``elasticmem.eval.budget_rules``). With ``--text-checkpoint`` (the recipe's text
 arm) the text rungs are read by a reader trained on text.
 
-    python -m elasticmem.eval.ladder --config configs/persona_recipe.yaml eval.checkpoint=RUN/final \\
+    python -m elasticmem.apps.ladder --config configs/persona_recipe.yaml eval.checkpoint=RUN/final \\
         eval.output_dir=RUN/ladder [--text-checkpoint TEXT_RUN/final] [--caps 8,16,32,64] [key=value ...]
-    python -m elasticmem.eval.ladder pool RUN_0/ladder RUN_1/ladder RUN_2/ladder    # seeds pooled
+    python -m elasticmem.apps.ladder pool RUN_0/ladder RUN_1/ladder RUN_2/ladder    # seeds pooled
 
 Each flag of the ladder is also a ``ladder.KEY=VALUE`` argument (``ladder.caps=8,16,32,64``), each
 of ``pool`` a ``pool.KEY=VALUE`` one (``pool.out=FILE``); ``--help`` lists them.
@@ -392,7 +392,7 @@ def _pool_main(argv: list[str]) -> int:
 
     from elasticmem.utils.options import parse_options
 
-    ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder pool",
+    ap = argparse.ArgumentParser(prog="python -m elasticmem.apps.ladder pool",
                                  description="Compare ladder rungs over several seeds' ladders.")
     opts, _ = parse_options(ap, POOL_OPTIONS, argv, metavar="DIR | pool.KEY=VALUE",
                             help="the ladders' folders, and pool.KEY=VALUE options")
@@ -418,17 +418,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from elasticmem.config import load_config
-    from elasticmem.eval import budget_rules, cli
+    from elasticmem.apps import evaluate
+    from elasticmem.eval import budget_rules
     from elasticmem.utils.options import add_options, resolve_options, split_options
 
-    ap = argparse.ArgumentParser(prog="python -m elasticmem.eval.ladder", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m elasticmem.apps.ladder", description=__doc__.split("\n\n")[0],
                                  epilog="Other arguments (--config, --limit, key=value overrides) go to evaluate.py.")
     add_options(ap, OPTIONS)
     known, rest = ap.parse_known_args(argv)
     dotted, rest = split_options(rest, OPTIONS)  # the rest is evaluate.py's
     opts = resolve_options(ap, OPTIONS, known, dotted)
     config = rest[rest.index("--config") + 1] if "--config" in rest else None
-    cfg = load_config(config, cli._expand([o for o in rest if "=" in o and not o.startswith("-")]))
+    cfg = load_config(config, evaluate._expand([o for o in rest if "=" in o and not o.startswith("-")]))
     out_root = Path(cfg.eval.output_dir)
     top_z = cfg.memory.top_z
 
@@ -444,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = set(opts.rungs) - known_names
         if unknown:
             ap.error(f"unknown rungs {sorted(unknown)}; the ladder's are {sorted(known_names)}")
-    code = cli.main([*rest, "eval.variants=" + json.dumps(wanted(var))])
+    code = evaluate.main([*rest, "eval.variants=" + json.dumps(wanted(var))])
     if code != 0:
         return code
     # the rungs whose settings come from the others: the gap chosen on validation, the spread at
@@ -452,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gap = spread = None
     if opts.gaps and (not opts.rungs or "rule_gap" in opts.rungs):
         val_root = out_root / f"gap_{opts.val_split}"
-        code = cli.main([*rest, f"eval.split={opts.val_split}", f"eval.output_dir={val_root}",
+        code = evaluate.main([*rest, f"eval.split={opts.val_split}", f"eval.output_dir={val_root}",
                          "eval.variants=" + json.dumps(budget_rules.gap_variants(opts.gaps))])
         if code != 0:
             return code
@@ -464,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spread = json.loads(learned.read_text())["avg_memory_tokens"]
     derived = wanted(budget_rules.derived_variants(gap, spread, opts.caps, top_z, opts.rules_at_caps))
     if derived:
-        code = cli.main([*rest, "eval.variants=" + json.dumps(derived)])
+        code = evaluate.main([*rest, "eval.variants=" + json.dumps(derived)])
         if code != 0:
             return code
     names = [*var, *derived]

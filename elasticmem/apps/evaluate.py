@@ -23,7 +23,7 @@ holding predictions of another system, checkpoint, setting or data file is refus
 eval.overwrite=true deletes them and starts over.
 
 (``evaluate.py`` at the repository root and the ``elasticmem-eval`` console script call ``main``;
-``elasticmem.eval.ladder`` runs it with the reading ladder's variants.)
+``elasticmem.apps.ladder`` runs it with the reading ladder's variants.)
 """
 
 from __future__ import annotations

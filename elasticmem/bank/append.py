@@ -67,6 +67,7 @@ from elasticmem.bank.builder import (
     prompt_key_ids,
 )
 from elasticmem.bank.kv import kv_spec, rotary_module
+from elasticmem.bank.kv_store import storage_fields, storage_of, tensor_names, zero_rows
 from elasticmem.bank.manifest import (
     APPEND_FORMAT_VERSION,
     CHUNKS,
@@ -164,7 +165,7 @@ def create_bank(root: str | Path, backbone, chunking: ChunkingConfig, bank_cfg: 
         manifest["content_layer"] = int(bank_cfg.content_layer)
     if bank_cfg.kv_cache:
         rotary_module(backbone.model.get_decoder())
-        manifest["kv"] = {**kv_spec(backbone.model.config), "dtype": bank_cfg.kv_dtype}
+    manifest.update(storage_fields(*storage_of(bank_cfg), kv_spec(backbone.model.config)))  # as a build stores
     _atomic_write_text(root / CHUNKS, "")
     _atomic_write_bytes(root / manifest["build"]["journal"], b"")
     _atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
@@ -393,7 +394,7 @@ def append_sessions(
                    file=sys.stderr, dynamic_ncols=True)
         tensors = encode_shard(decoder, ids, bank.n_cache, batch_size, tokenizer.pad_token_id, bank.cache_dtype,
                                progress=bar.update, key=key, key_ids=key_ids, content_layer=bank.content_layer,
-                               kv_dtype=getattr(torch, bank.kv["dtype"]) if bank.kv else None)
+                               kv_format=bank.kv_format, hidden_cache=bank.hidden_cache)
         bar.close()
         i, start = _next_index(m), bank.num_chunks
         data = st_save(tensors, metadata={"plan_id": m.get("build", {}).get("plan_id") or "", "append": str(i)})
@@ -533,8 +534,7 @@ def _purged(tensors: dict[str, torch.Tensor], lines: list[bytes], first: int,
         lo, hi = max(a, first) - first, min(b, first + n) - first
         if lo >= hi:
             continue
-        for t in tensors.values():
-            t[lo:hi] = 0
+        zero_rows(tensors, lo, hi)  # rows' slots of per-layer KV too (elasticmem.bank.kv_store)
         for j in range(lo, min(hi, len(lines))):
             lines[j] = (json.dumps(forgotten_record(first + j)) + "\n").encode()
 
@@ -553,7 +553,7 @@ def _compact(bank: Bank, target_rows: int | None = None) -> Bank:
     # an appended shard holding a deleted row is rewritten alone when no merge rewrites it
     runs += [[k] for k in range(len(appended)) if k not in merged and holds[first + k]]
     nxt = _next_index(m)
-    names = ["keys", "cache", "cache_len", *(["kv"] if bank.kv else [])]
+    names = tensor_names(m)
     meta = {"plan_id": m.get("build", {}).get("plan_id") or ""}
     replace: dict[int, tuple[dict, dict]] = {}  # first appended index of a run -> merged shard, chunk file
     for run in runs:

@@ -39,9 +39,11 @@ from tqdm.auto import tqdm
 from elasticmem.bank.encoding import (KEY_VARIANTS, PAPER_KEY, encode_batch, key_spec, key_states, pool_key,
                                       prompt_key_ids)
 from elasticmem.bank.kv import kv_spec, rotary_module
+from elasticmem.bank.kv_store import (KVFormat, bytes_by_part, cat_rows, content_record, encode_rows, split_rows,
+                                      storage_fields, storage_of)
 from elasticmem.bank.manifest import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, BankError
 from elasticmem.bank.store import Bank, shard_name
-from elasticmem.config import BankConfig, ChunkingConfig
+from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig
 from elasticmem.data.chunking import Chunk, chunk_history, chunks_fingerprint, history_fingerprint, tokenize_chunks
 from elasticmem.data.schema import Example, SchemaError
 from elasticmem.utils.configuration import ConfigError
@@ -97,9 +99,12 @@ def make_plan(
     hidden_size: int,
     cache_dtype: str,
     kv: dict[str, int] | None = None,
+    hidden_cache: bool = True,
+    kv_format: KVFormat | None = None,
 ) -> Plan:
     """The chunks, rows, shards and manifest header of a build (``kv``: ``kv_spec`` of the
-    encoder when ``bank.kv_cache`` is on)."""
+    encoder when ``bank.kv_cache`` is on; ``hidden_cache``, ``kv_format``: ``storage_of``, whose
+    default for ``kv_format`` is the padded layout of banks built before it)."""
     groups_first = collect_groups(examples_by_split)
     if not groups_first:
         raise SchemaError("no examples found: the bank would be empty")
@@ -143,9 +148,13 @@ def make_plan(
     if bank_cfg.content_layer != -1:  # absent = the paper's final layer, as in banks built before
         header["content_layer"] = int(bank_cfg.content_layer)
         h.update(json.dumps({"content_layer": header["content_layer"]}).encode())
-    if kv is not None:  # absent = hidden states only, as in banks built before
-        header["kv"] = {**kv, "dtype": bank_cfg.kv_dtype}
-        h.update(json.dumps({"kv": header["kv"]}, sort_keys=True).encode())
+    if kv is not None and kv_format is None:  # the layout of banks built before storage_of
+        kv_format = KVFormat(bank_cfg.kv_dtype, bank_cfg.n_cache, "padded")
+    storage = storage_fields(hidden_cache, kv_format if kv is not None else None, kv)
+    if "kv" in storage:  # absent = hidden states only, as in banks built before
+        # how the states are stored (layout, integer codes) is not hashed: a plan is what is encoded
+        h.update(json.dumps({"kv": content_record(storage["kv"], bank_cfg.n_cache)}, sort_keys=True).encode())
+    header.update(storage)
     key_ids = None
     if key["variant"] == "prompt":
         key_ids = prompt_key_ids(tokenizer, [c.text for c in chunks], token_ids, key["template"],
@@ -186,39 +195,50 @@ def encode_shard(
     key_ids: Sequence[Sequence[int]] | None = None,
     content_layer: int = -1,
     kv_dtype: torch.dtype | None = None,
+    kv_format: KVFormat | None = None,
+    hidden_cache: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache``, ``cache_len``
-    (``key``, ``key_ids``, ``content_layer``: as in ``encode_batch``, for the shard's rows),
-    and ``kv`` in ``kv_dtype`` when that is given (``bank.kv_cache``)."""
+    """Encode one shard's rows (in order) into CPU tensors ``keys``, ``cache`` (with
+    ``hidden_cache``), ``cache_len`` (``key``, ``key_ids``, ``content_layer``: as in
+    ``encode_batch``, for the shard's rows), and the per-layer KV tensors of ``kv_format``
+    (``elasticmem.bank.kv_store``; ``kv_dtype`` alone: the padded layout at that float dtype)."""
+    if kv_format is None and kv_dtype is not None:
+        if not kv_dtype.is_floating_point:
+            raise ValueError(f"kv_dtype {kv_dtype} is not a float dtype: pass the bank's kv_format for integer codes")
+        kv_format = KVFormat(str(kv_dtype).removeprefix("torch."), n_cache, "padded")
     n = len(token_ids)
     d = decoder.config.hidden_size
     keys = torch.empty(n, d, dtype=torch.float32)
     cache = torch.empty(n, n_cache, d, dtype=cache_dtype)
     cache_len = torch.empty(n, dtype=torch.int32)
-    kv = None
-    if kv_dtype is not None:
-        spec = kv_spec(decoder.config)
-        kv = torch.empty(n, n_cache, spec["layers"], 2, spec["kv_heads"], spec["head_dim"], dtype=kv_dtype)
+    kv_rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     order = sorted(range(n), key=lambda i: -len(token_ids[i]))  # length-sorted: little padding
     with torch.inference_mode():
         for a in range(0, n, batch_size):
             idx = order[a : a + batch_size]
             k, c, cl, *rest = encode_batch(decoder, [token_ids[i] for i in idx], n_cache, pad_id, key,
                                            None if key_ids is None else [key_ids[i] for i in idx], content_layer,
-                                           kv=kv is not None)
+                                           kv=kv_format is not None)
             c = c.to(cache_dtype)
-            for name, x, dtype in [("cache", c, cache_dtype)] + ([("kv", rest[0].to(kv_dtype), kv_dtype)] if rest else []):
+            checks = [("cache", c, cache_dtype)]
+            if rest:  # integer codes quantize the float16 states (elasticmem.bank.quant)
+                kv_cast = torch.float16 if kv_format.bits else getattr(torch, kv_format.dtype)
+                checks.append(("kv", rest[0].to(kv_cast), kv_cast))
+            for name, x, dtype in checks:
                 if not torch.isfinite(x).all():
                     raise FloatingPointError(f"non-finite values after casting the {name} to {dtype}; "
                                              f"use bank.{'cache' if name == 'cache' else 'kv'}_dtype=float32 or bfloat16")
             t = torch.as_tensor(idx)
             keys[t], cache[t], cache_len[t] = k.cpu(), c.cpu(), cl.cpu()
-            if kv is not None:
-                kv[t] = rest[0].to(kv_dtype).cpu()
+            if rest:
+                counts = torch.tensor([len(token_ids[i]) - 1 for i in idx]).clamp(0, kv_format.slots)
+                block = {name: x.cpu() for name, x in encode_rows(rest[0], counts, kv_format).items()}
+                for i, row in zip(idx, split_rows(block)):
+                    kv_rows[i] = row
             if progress is not None:
                 progress(len(idx))
-    out = {"keys": keys, "cache": cache, "cache_len": cache_len}
-    return out if kv is None else {**out, "kv": kv}
+    out = {"keys": keys, **({"cache": cache} if hidden_cache else {}), "cache_len": cache_len}
+    return out if kv_format is None else {**out, **cat_rows(kv_rows)}
 
 
 def _write_shard(
@@ -228,7 +248,7 @@ def _write_shard(
     digest = hashlib.sha256(data).hexdigest()
     _atomic_write_bytes(out / shard_name(i), data)
     rec = {"file": shard_name(i), "rows": int(tensors["keys"].shape[0]), "sha256": digest, "bytes": len(data),
-           "process": process}
+           "process": process, "tensor_bytes": bytes_by_part(tensors)}
     _atomic_write_text(out / BUILD_DIR / f"{shard_name(i)}.json", json.dumps(rec))
     return rec
 
@@ -253,13 +273,19 @@ def _prepare_dir(out: Path, plan: Plan, overwrite: bool, is_main: bool) -> str:
     if manifest.is_file() and not overwrite:
         old = json.loads(manifest.read_text())
         if old.get("build", {}).get("plan_id") == plan.plan_id:
+            _check_storage(out, old, plan.header)
             return "done"
         raise BankError(
             f"{out} already holds a different bank (other encoder, data or settings); "
             f"set bank.overwrite=true to replace it or choose another bank.dir"
         )
     if state.is_file() and not overwrite:
-        if json.loads(state.read_text()).get("plan_id") == plan.plan_id:
+        started = json.loads(state.read_text())
+        if started.get("plan_id") == plan.plan_id:
+            if _storage(started.get("header", {})) != _storage(plan.header):
+                raise BankError(f"{out} holds an unfinished build of this bank stored otherwise "
+                                f"({_storage_text(started['header'])}; now {_storage_text(plan.header)}): "
+                                f"set bank.overwrite=true to discard it")
             return "resume"
         raise BankError(
             f"{out} holds an unfinished build of a different bank; set bank.overwrite=true to discard it"
@@ -274,6 +300,33 @@ def _prepare_dir(out: Path, plan: Plan, overwrite: bool, is_main: bool) -> str:
         (out / BUILD_DIR).mkdir(parents=True, exist_ok=True)
         _atomic_write_text(state, json.dumps({"plan_id": plan.plan_id, "header": plan.header}))
     return "fresh"
+
+
+def _storage(header: dict[str, Any]) -> tuple[bool, KVFormat | None]:
+    """What a manifest (or a plan's header) says its shards store besides keys: ``storage_of``'s pair."""
+    return bool(header.get("hidden_cache", True)), KVFormat.of(header)
+
+
+def _storage_text(header: dict[str, Any]) -> str:
+    hidden, fmt = _storage(header)
+    return (f"hidden-state cache {'stored' if hidden else 'not stored'}"
+            + (f", per-layer KV {fmt.describe()}" if fmt else ""))
+
+
+def _check_storage(out: Path, manifest: dict[str, Any], header: dict[str, Any]) -> None:
+    """A finished bank of this plan: refused when it lacks what the build asks for (a hidden cache,
+    per-layer KV at the asked dtype); its layout may differ (a bank built before the ragged one)."""
+    (had, old), (want, new) = _storage(manifest), _storage(header)
+    if want and not had:
+        raise BankError(f"{out} holds this bank without the hidden-state cache, which bank.hidden_cache asks for: "
+                        f"set bank.overwrite=true to rebuild it")
+    if old and new and (old.dtype, old.group_size if old.bits else 0) != (new.dtype, new.group_size if new.bits else 0):
+        raise BankError(f"{out} holds this bank with per-layer KV stored as {old.describe()}, but the config asks "
+                        f"for {new.describe()}: convert it (build_bank.py --config ... --convert) or set "
+                        f"bank.overwrite=true to rebuild it")
+    if (had, old) != (want, new):
+        print(f"note: {out} holds this bank stored as built then ({_storage_text(manifest)}; this build would store "
+              f"{_storage_text(header)}): kept; bank.overwrite=true rebuilds it", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -310,6 +363,19 @@ def _record_fingerprints(out: Path, plan: Plan) -> None:
     _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def bytes_per_chunk(shards: list[dict[str, Any]], rows: int) -> dict[str, int]:
+    """Mean tensor bytes a row of the shards' records (``_write_shard``) by part (``bytes_by_part``)
+    and in all; a shard recorded before records had parts counts its file size as ``total``."""
+    parts = {"keys": 0, "cache": 0, "kv": 0}
+    total = 0
+    for r in shards:
+        tb = r.get("tensor_bytes") or {}
+        for k in parts:
+            parts[k] += int(tb.get(k, 0))
+        total += sum(int(v) for v in tb.values()) if tb else int(r["bytes"])
+    return {**{k: round(v / max(rows, 1)) for k, v in parts.items()}, "total": round(total / max(rows, 1))}
+
+
 @dataclass
 class BuildResult:
     bank_dir: Path
@@ -330,8 +396,12 @@ def build_bank(
     cache_dtype: torch.dtype,
     state=None,
     show_progress: bool = True,
+    memory: MemoryConfig | None = None,
 ) -> BuildResult:
     """Build (or resume, or confirm) the bank in ``bank_cfg.dir``.
+
+    ``memory``: the config's ``memory`` section (the reader the bank is for), which decides what is
+    stored besides the keys (``storage_of``); None keeps the hidden cache and ``n_cache`` KV slots.
 
     ``state`` is an ``accelerate.PartialState`` (or anything with ``process_index``,
     ``num_processes``, ``is_main_process``, ``wait_for_everyone()``); None = one process.
@@ -364,10 +434,11 @@ def build_bank(
                              f"hidden_states indices 0..{n}, or negative from the end)")
     if bank_cfg.kv_cache:
         rotary_module(backbone.model.get_decoder())  # a model without rotary embeddings: refused before encoding
+    hidden_cache, kv_format = storage_of(bank_cfg, memory)
     plan = make_plan(
         examples_by_split, backbone.tokenizer, chunking, bank_cfg, encoder,
         backbone.hidden_size, str(cache_dtype).removeprefix("torch."),
-        kv_spec(backbone.model.config) if bank_cfg.kv_cache else None,
+        kv_spec(backbone.model.config) if bank_cfg.kv_cache else None, hidden_cache, kv_format,
     )
     num_tokens = sum(len(t) for t in plan.token_ids)
     if part is not None:
@@ -406,8 +477,8 @@ def build_bank(
             decoder, plan.token_ids[a:b], bank_cfg.n_cache, bank_cfg.batch_size,
             backbone.tokenizer.pad_token_id, cache_dtype, progress=bar.update, key=plan.header["key"],
             key_ids=None if plan.key_ids is None else plan.key_ids[a:b],
-            content_layer=plan.header.get("content_layer", -1),
-            kv_dtype=getattr(torch, plan.header["kv"]["dtype"]) if "kv" in plan.header else None,
+            content_layer=plan.header.get("content_layer", -1), kv_format=KVFormat.of(plan.header),
+            hidden_cache=plan.header.get("hidden_cache", True),
         )
         _write_shard(out, i, tensors, plan.plan_id, rank)
     bar.close()
@@ -432,6 +503,7 @@ def build_bank(
             "num_processes": world,
             "shard_writers": [r["process"] for r in shards],  # which process encoded each shard
             "num_tokens": num_tokens,
+            "bytes_per_chunk": bytes_per_chunk(shards, len(plan.chunks)),
         }
         _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
         shutil.rmtree(out / BUILD_DIR, ignore_errors=True)
@@ -451,5 +523,5 @@ def resolve_cache_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 
 __all__ = ["KEY_VARIANTS", "PAPER_KEY", "Bank", "BuildResult", "build_bank", "chunks_fingerprint", "encode_batch",
-           "encode_shard", "history_fingerprint", "key_spec", "key_states", "make_plan", "pool_key",
-           "prompt_key_ids", "resolve_cache_dtype"]
+           "encode_shard", "bytes_per_chunk", "history_fingerprint", "key_spec", "key_states", "make_plan",
+           "pool_key", "prompt_key_ids", "resolve_cache_dtype"]

@@ -7,6 +7,7 @@
     elasticmem-build-bank --config ...                 # without bank.part: the merge (the manifest)
     elasticmem-build-bank --config ... data.dir=NEW --append   # add new groups / sessions to a built bank
     elasticmem-build-bank --config ... data.dir=NEW build.append=true   # the same (every flag is a key too)
+    elasticmem-build-bank --config ... bank.kv_dtype=int8 --convert   # re-store a built bank's KV, no encoding
 
 An interrupted build resumes where it stopped when run again with the same
 settings. The bank folder layout is documented in DESIGN.md section 3.1.
@@ -16,6 +17,12 @@ empty when missing) through the live append path (``elasticmem.bank.append``): c
 already holds (same text) are skipped, so new sessions of known conversations and new
 conversations are added and the rest is left as it is; readers of the bank keep working, and a
 crash leaves the bank as it was. The bank's own tokenization, keys and cache settings are used.
+
+``--convert`` stores the bank at bank.dir as this config would build it, without encoding: its
+per-layer keys and values at bank.kv_dtype (a float16 bank becomes int8 / int4, a bank built
+before the ragged layout loses its padding) and, when bank.hidden_cache resolves to false for the
+config's reader, without the hidden-state cache (``elasticmem.bank.convert``; atomic: a crash
+leaves the old bank readable).
 
 (``build_bank.py`` at the repository root and the ``elasticmem-build-bank`` console script call
 ``main``; ``accelerate launch`` takes the root script, as it needs a file.)
@@ -37,6 +44,9 @@ class BuildOptions:
 
     append: bool = False
     """Add the data's new chunks to the bank at bank.dir instead of building it."""
+    convert: bool = False
+    """Re-store the built bank at bank.dir as this config would build it (bank.kv_dtype,
+    bank.kv_group_size, bank.hidden_cache), without encoding anything."""
 
 
 OPTIONS = Options("build", BuildOptions)
@@ -50,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     opts: BuildOptions = args.options
     if opts.append:
         return _append(cfg, prog)
+    if opts.convert:
+        return _convert(cfg, prog)
 
     import torch
 
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         device = state.device if cfg.backbone.device == "auto" else torch.device(cfg.backbone.device)
         backbone = load_backbone(cfg.backbone, device=device)
         cache_dtype = resolve_cache_dtype(cfg.bank.cache_dtype, device)
-        result = build_bank(examples, backbone, cfg.chunking, cfg.bank, cache_dtype, state=state)
+        result = build_bank(examples, backbone, cfg.chunking, cfg.bank, cache_dtype, state=state, memory=cfg.memory)
         if not state.is_main_process:
             return 0
         if cfg.bank.part:
@@ -83,17 +95,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     lens = [c["n_tokens"] for c in bank.chunks()]
-    mb = bank.nbytes_on_disk() / 1e6
     print(
         f"bank {result.bank_dir} ({result.status}{', verified' if cfg.bank.verify else ''})\n"
         f"  groups {result.num_groups}, chunks {result.num_chunks}, tokens {result.num_tokens} "
         f"(mean {result.num_tokens / max(1, result.num_chunks):.1f}, max {max(lens)} per chunk)\n"
-        f"  keys [{bank.num_chunks}, {bank.hidden_size}] float32, cache [{bank.num_chunks}, {bank.n_cache}, "
-        f"{bank.hidden_size}] {bank.manifest['cache_dtype']}, {len(bank.shards)} shard(s), {mb:.1f} MB on disk\n"
+        f"{_storage_lines(bank)}\n"
         f"  encoder {bank.manifest['encoder']['name_or_path']} {bank.fingerprint[:23]}...\n"
         f"  {result.shards_encoded} shard(s) encoded in {result.seconds:.1f} s"
         + (f" ({result.num_chunks / result.seconds:.1f} chunks/s)" if result.status == "built" else "")
     )
+    return 0
+
+
+def _storage_lines(bank) -> str:
+    """What the shards hold, their size on disk and the bytes a chunk takes (the manifest's
+    ``build.bytes_per_chunk``, absent for banks built before it)."""
+    n, d = bank.num_chunks, bank.hidden_size
+    cache = (f"cache [{n}, {bank.n_cache}, {d}] {bank.manifest['cache_dtype']}" if bank.hidden_cache
+             else "no hidden-state cache")
+    kv = f", per-layer KV {bank.kv_format.describe()}" if bank.kv_format else ""
+    per = bank.manifest.get("build", {}).get("bytes_per_chunk")
+    line = (f"  keys [{n}, {d}] float32, {cache}{kv}\n  {len(bank.shards)} shard(s), "
+            f"{bank.nbytes_on_disk() / 1e6:.1f} MB on disk")
+    if per:
+        parts = ", ".join(f"{k} {v:,}" for k, v in per.items() if k != "total" and v)
+        line += f"; bytes per chunk {per['total']:,} ({parts})"
+    return line
+
+
+def _convert(cfg, prog: str) -> int:
+    """``--convert``: ``elasticmem.bank.convert.convert_bank`` to the storage a build of ``cfg`` uses."""
+    from elasticmem.bank import Bank, BankError
+    from elasticmem.bank.convert import convert_bank
+    from elasticmem.bank.kv_store import storage_of
+
+    print_config(cfg, file=sys.stderr)
+    try:
+        hidden, fmt = storage_of(cfg.bank, cfg.memory)
+        if fmt is None:
+            raise ConfigError("--convert re-stores per-layer keys and values: set bank.kv_cache=true")
+        before = Bank.open(cfg.bank.dir)
+        bank = convert_bank(cfg.bank.dir, fmt.dtype, cfg.bank.kv_group_size, hidden_cache=hidden)
+        save(cfg, bank.root / "config.yaml")
+    except (ConfigError, BankError, FileNotFoundError, OSError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"bank {bank.root} ({'unchanged' if bank is before or bank.manifest == before.manifest else 'converted'})\n"
+          f"{_storage_lines(bank)}")
     return 0
 
 

@@ -19,7 +19,11 @@ FORMAT_VERSION = 1
 APPEND_FORMAT_VERSION = 2
 """Groups may hold several row segments and chunk texts several files (``elasticmem.bank.append``); readers
 of format 1 refuse such a bank with a clear message instead of misreading it."""
-READABLE_VERSIONS = (FORMAT_VERSION, APPEND_FORMAT_VERSION)
+KV_FORMAT_VERSION = 3
+"""Shards without the hidden-state cache (manifest ``hidden_cache: false``) or with per-layer KV in the
+ragged layout (``kv.layout``, ``elasticmem.bank.kv_store``), maybe as integer codes; appended to or not.
+Readers of formats 1 and 2 refuse such a bank instead of misreading its shards."""
+READABLE_VERSIONS = (FORMAT_VERSION, APPEND_FORMAT_VERSION, KV_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 CHUNKS = "chunks.jsonl"
 GROUPS_SHA256 = "groups_sha256"
@@ -94,7 +98,7 @@ def _apply_delete(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, An
     """A ``delete`` record: ``rows`` (segments) leave the groups, whose new segments (none: the
     group is gone) and ``groups_sha256`` the record carries."""
     m = dict(manifest)
-    m["format_version"] = APPEND_FORMAT_VERSION
+    m["format_version"] = max(int(m["format_version"]), APPEND_FORMAT_VERSION)
     groups = m["groups"] = dict(m["groups"])
     sha = m[GROUPS_SHA256] = dict(m.get(GROUPS_SHA256, {}))
     for g, segs in rec["groups"].items():
@@ -119,7 +123,7 @@ def apply_record(manifest: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any
     if rec.get("op") != "append":
         raise BankError(f"unknown journal record {rec.get('op')!r}: written by a newer elasticmem?")
     m = dict(manifest)
-    m["format_version"] = APPEND_FORMAT_VERSION
+    m["format_version"] = max(int(m["format_version"]), APPEND_FORMAT_VERSION)
     m["num_chunks"] = int(rec["num_chunks"])
     m["shards"] = [*m["shards"], rec["shard"]]
     m["chunk_files"] = [*m.get("chunk_files", []), rec["chunk_file"]]

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from elasticmem.bank.kv_store import KVFormat, read_slots, slot_offsets
 from elasticmem.bank.manifest import (
     CHUNKS,
     GROUPS_SHA256,
@@ -162,6 +163,9 @@ class Bank:
             except Exception as e:  # safetensors raises its own error types for broken headers
                 raise BankError(f"bank shard {path} cannot be opened ({e}); rebuild the bank") from None
         self._store = like._store if like is not None else _RowStore()
+        self._kv_offsets: dict[int, torch.Tensor] = {}  # shard -> first slot of each row (ragged KV)
+        self.kv_format = KVFormat.of(manifest)
+        """How the per-layer keys and values are stored (``elasticmem.bank.kv_store``); None: none are."""
         # where this snapshot's state was read from: manifest.json's stamp, the journal and how far
         self._stamp: tuple[int, ...] | None = None
         self._journal_offset = 0
@@ -171,9 +175,11 @@ class Bank:
 
     @classmethod
     def open(cls, root: str | Path, expect_fingerprint: str | None = None, verify: bool = False,
-             like: "Bank | None" = None) -> "Bank":
+             like: "Bank | None" = None, expect_kv_dtype: str | None = None) -> "Bank":
         """The bank in ``root``: ``manifest.json`` with its journal's records applied. ``like``: an
-        older snapshot of this bank whose chunk records are reused when this one extends it."""
+        older snapshot of this bank whose chunk records are reused when this one extends it.
+        ``expect_kv_dtype``: the ``bank.kv_dtype`` the caller reads with; a bank whose per-layer KV
+        is stored at another is refused (``require_kv_dtype``)."""
         root = Path(root)
         mpath = root / MANIFEST
         for _ in range(100):  # a compaction may replace the manifest between our reads of it and its journal
@@ -219,6 +225,8 @@ class Bank:
                     f"truncated or was replaced; rebuild the bank"
                 )
         bank = cls(root, manifest)
+        if expect_kv_dtype is not None:
+            bank.require_kv_dtype(expect_kv_dtype)
         bank._stamp, bank._journal_offset, bank._journal_records = stamp, offset, len(records)
         if like is not None and bank.extends(like):
             bank._store = like._store
@@ -417,10 +425,6 @@ class Bank:
     def _empty(self, name: str) -> torch.Tensor:
         """Zero rows of a shard tensor (also for a bank with no shard yet, which an append starts)."""
         d, dtype = self.hidden_size, self.cache_dtype
-        if name == "kv":
-            kv = self.kv
-            return torch.zeros(0, self.n_cache, kv["layers"], 2, kv["kv_heads"], kv["head_dim"],
-                               dtype=getattr(torch, kv["dtype"]))
         return {"keys": torch.zeros(0, d), "cache": torch.zeros(0, self.n_cache, d, dtype=dtype),
                 "cache_len": torch.zeros(0, dtype=torch.int32)}[name]
 
@@ -442,25 +446,91 @@ class Bank:
         Returns ``cache`` [R, n_cache, d] (valid states right-aligned, zeros left) and
         ``cache_len`` [R] int32.
         """
+        if not self.hidden_cache:
+            raise BankError(f"bank {self.root} holds no hidden-state cache (built with bank.hidden_cache=false, or "
+                            f"auto for a reader of per-layer KV): memory.content=hidden and the projector's warm-up "
+                            f"read it; rebuild the bank with bank.hidden_cache=true")
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         return self._gather_rows("cache", rows), self._gather_rows("cache_len", rows)
 
-    def gather_kv(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
-        """Per-layer keys and values of arbitrary rows (a bank built with ``bank.kv_cache``):
-        [R, n_cache, layers, 2, H_kv, hd], right-aligned like ``gather``'s cache, keys in the
-        window frame of ``elasticmem.bank.kv``."""
-        if self.kv is None:
+    @property
+    def hidden_cache(self) -> bool:
+        """Whether the shards hold the hidden-state cache ``cache`` (banks built before the manifest
+        field ``hidden_cache`` existed all do; ``cache_len`` is always there)."""
+        return bool(self.manifest.get("hidden_cache", True))
+
+    def require_kv_dtype(self, dtype: str) -> None:
+        """Refuse to read this bank's per-layer KV as ``dtype`` when it is stored at another."""
+        fmt = self._kv_or_raise()
+        if fmt.dtype != dtype:
+            raise BankError(f"bank {self.root} stores its per-layer keys and values as {fmt.describe()}, but "
+                            f"{dtype} was asked (bank.kv_dtype): set bank.kv_dtype={fmt.dtype} to read it, or "
+                            f"convert it (build_bank.py --config ... bank.kv_dtype={dtype} --convert)")
+
+    def _kv_or_raise(self) -> KVFormat:
+        if self.kv_format is None:
             raise BankError(f"bank {self.root} holds no per-layer keys and values: build it with bank.kv_cache=true "
                             f"to read memories with memory.content=kv")
-        return self._gather_rows("kv", torch.as_tensor(rows, dtype=torch.long).reshape(-1))
+        return self.kv_format
+
+    def gather_kv(self, rows: torch.Tensor | np.ndarray | list[int],
+                  device: torch.device | str | None = None) -> torch.Tensor:
+        """Per-layer keys and values of arbitrary rows (a bank built with ``bank.kv_cache``):
+        [R, n_cache, layers, 2, H_kv, hd], right-aligned like ``gather``'s cache (zeros where no
+        slot is stored), keys in the window frame of ``elasticmem.bank.kv``; dequantized (float16)
+        on ``device`` for an integer ``kv.dtype``."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        n = self.kv_lengths(rows)
+        flat = self.kv_slots(rows, n, device)
+        out = flat.new_zeros(rows.numel(), self.n_cache, *flat.shape[1:])
+        keep = torch.arange(self.n_cache)[None, :] >= (self.n_cache - n)[:, None]
+        out[keep.to(out.device)] = flat
+        return out
+
+    def kv_slots(self, rows: torch.Tensor, counts: torch.Tensor,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+        """The last ``counts[k]`` readable KV slots of each row ``rows[k]`` (at most
+        ``kv_lengths``), read and, for an integer ``kv.dtype``, dequantized on ``device``:
+        [sum(counts), layers, 2, H_kv, hd], row after row, each row's slots oldest first (slot
+        ``i`` of row k sits at window position ``n_cache - counts[k] + i``)."""
+        fmt = self._kv_or_raise()
+        rows, counts = rows.reshape(-1).long(), counts.reshape(-1).long()
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
+            raise IndexError(f"rows out of range [0, {self.num_chunks})")
+        if bool((counts > self.kv_lengths(rows)).any()):
+            raise IndexError(f"more KV slots asked than rows {rows.tolist()} hold ({self.kv_lengths(rows).tolist()})")
+        shard_of = torch.from_numpy(np.searchsorted(self._starts, rows.numpy(), side="right") - 1)
+        parts, order = [], []
+        for i in shard_of.unique().tolist():
+            sel = (shard_of == i).nonzero().reshape(-1)
+            off = None
+            if fmt.layout == "ragged":
+                if i not in self._kv_offsets:
+                    self._kv_offsets[i] = slot_offsets(self._shard_tensor(i, "kv_len"))
+                off = self._kv_offsets[i]
+            parts.append(read_slots(lambda name: self._shard_tensor(i, name), off, rows[sel] - self.shards[i].start,
+                                    counts[sel], fmt, self.n_cache, device))
+            order.append(sel)
+        if not parts:
+            return self._kv_empty(device)
+        # back to the order asked: each row's slots as one block
+        blocks = {int(k): b for sel, p in zip(order, parts) for k, b in zip(sel, p.split(counts[sel].tolist()))}
+        return torch.cat([blocks[k] for k in range(rows.numel())])
+
+    def _kv_empty(self, device) -> torch.Tensor:
+        fmt, kv = self.kv_format, self.kv
+        dtype = torch.float16 if fmt.bits else getattr(torch, fmt.dtype)
+        return torch.zeros(0, kv["layers"], 2, kv["kv_heads"], kv["head_dim"], dtype=dtype, device=device)
 
     def kv_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
-        """Readable per-layer KV slots [R] long of ``rows``: ``min(n_cache, L - 1)`` for a chunk of L
-        tokens (its position 0, the encoder's attention sink, is not stored: ``elasticmem.bank.kv``)."""
+        """Readable per-layer KV slots [R] long of ``rows``: ``min(kv.slots, L - 1)`` for a chunk of L
+        tokens (its position 0, the encoder's attention sink, is not stored: ``elasticmem.bank.kv``;
+        ``kv.slots``: ``n_cache`` unless the bank was built for a smaller ``memory.policy.max_budget``)."""
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         chunks = self.chunks()
         n_tokens = torch.tensor([chunks[r]["n_tokens"] for r in rows.tolist()], dtype=torch.long)
-        return (n_tokens - 1).clamp(min=0, max=self.n_cache)
+        slots = self.kv_format.slots if self.kv_format is not None else self.n_cache
+        return (n_tokens - 1).clamp(min=0, max=slots)
 
     def cache_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
         """Valid cache lengths [R] int32 of ``rows``, without reading their caches."""
@@ -477,8 +547,9 @@ class Bank:
 
     @property
     def kv(self) -> dict[str, Any] | None:
-        """The manifest's ``kv`` record ({layers, kv_heads, head_dim, dtype}) of a bank built with
-        ``bank.kv_cache``; None for a bank of hidden states only."""
+        """The manifest's ``kv`` record ({layers, kv_heads, head_dim, dtype}, and layout, slots,
+        scheme, group_size for banks of ``elasticmem.bank.kv_store``'s ragged layout) of a bank built
+        with ``bank.kv_cache``; None for a bank of hidden states only."""
         return self.manifest.get("kv")
 
     @property

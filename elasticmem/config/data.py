@@ -297,10 +297,28 @@ class BankConfig:
     and values as the frozen encoder computed them over the chunk (manifest ``kv``; shard tensor
     ``kv``), for a reasoner that reads them directly (``memory.content=kv``). A departure from the
     paper, whose content is the final-layer states read through a projector; needs a model with
-    rotary position embeddings. Size: n_cache x layers x 2 x KV heads x head width values per
-    chunk (SmolLM2-135M: 11,520 a position, 20x its hidden states)."""
-    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    """Storage dtype of the per-layer keys and values (kv_cache)."""
+    rotary position embeddings. Size: layers x 2 x KV heads x head width values a stored position
+    (SmolLM2-135M: 11,520, 20x its hidden state); a chunk of L tokens stores min(L - 1, n_cache,
+    memory.policy.max_budget) positions (its first, the attention sink, and those no budget can
+    read are left out). The build prints and records its bytes per chunk (docs/bank.md)."""
+    kv_dtype: Literal["float16", "bfloat16", "float32", "int8", "int4"] = "float16"
+    """Storage dtype of the per-layer keys and values (kv_cache). 'int8' and 'int4' quantize the
+    float16 states in the KIVI layout: keys per channel over each chunk, values per token in
+    groups of kv_group_size channels (elasticmem.bank.quant: measured errors and why), int4 two
+    codes a byte; they are dequantized on the reader's device when read. SmolLM2-135M, a chunk of
+    40 tokens: 0.90 MB float16, 0.50 MB int8, 0.28 MB int4. A bank is read at the dtype it was
+    built with (another is refused); build_bank.py --convert turns a float16 bank into int8/int4
+    without encoding it again."""
+    kv_group_size: int = 32
+    """int8/int4 kv_dtype: value channels that share a scale and minimum (must divide the head
+    width). 32 costs 1 bit a value; 16 lowers the error of values a little at 2 bits a value."""
+    hidden_cache: Literal["auto", "true", "false"] = "auto"
+    """Store the content cache of hidden states (``cache`` in the shards). Only the projector path
+    reads it: memory.content=hidden and the projector's warm-up (warmup.align_steps); retrieval
+    does not (the keys are their own tensor), nor memory.content=kv, nor text injection. 'auto':
+    stored unless the bank is built for a reader of per-layer KV (kv_cache with
+    memory.content=kv). A bank built without it refuses memory.content=hidden with a clear
+    error; banks built before this option all hold it."""
     dist_timeout_s: float = 1800.0
     """Seconds a process of a multi-process build (``accelerate launch build_bank.py``) waits at a
     barrier for the others before the build is aborted (the process group's timeout; PyTorch's
@@ -308,6 +326,9 @@ class BankConfig:
     writes the chunk list and the manifest, or encodes its last shard."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.hidden_cache, bool):  # BankConfig(hidden_cache=False) from Python
+            self.hidden_cache = "true" if self.hidden_cache else "false"
+        _require(self.kv_group_size >= 1, f"kv_group_size must be >= 1, got {self.kv_group_size}")
         if self.part:
             k, sep, n = self.part.partition("/")
             _require(sep == "/" and k.isdigit() and n.isdigit() and int(k) < int(n),

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from elasticmem.bank.follow import snapshot_change
 from elasticmem.bank.store import Bank
 from elasticmem.model.injection import KVPiece
 from elasticmem.model.projector import Projector, select_last_valid
@@ -43,23 +44,29 @@ def projected_memories(bank: Bank, projector: Projector, rows: torch.Tensor, bud
     return per_traj, counts.reshape(N, Z)
 
 
-def kv_memories(bank: Bank, rows: torch.Tensor, budgets: torch.Tensor) -> tuple[list[list[KVPiece]], torch.Tensor]:
+def kv_memories(bank: Bank, rows: torch.Tensor, budgets: torch.Tensor, device: torch.device | None = None,
+                kv_dtype: str | None = None) -> tuple[list[list[KVPiece]], torch.Tensor]:
     """memory.content=kv: per trajectory, each memory's last min(b_j, readable slots) per-layer
-    keys and values (``Bank.kv_lengths``), and those counts [N, Z]; ``rows``, ``budgets`` [N, Z]."""
+    keys and values (``Bank.kv_lengths``), and those counts [N, Z]; ``rows``, ``budgets`` [N, Z].
+
+    Only those slots are read from the bank and moved to ``device`` (None: they stay on the CPU),
+    where an int8 / int4 bank's codes are dequantized (``Bank.kv_slots``). ``kv_dtype``: the
+    ``bank.kv_dtype`` the reader was configured with; a bank stored at another is refused.
+    """
+    if kv_dtype is not None:
+        bank.require_kv_dtype(kv_dtype)
     N, Z = rows.shape
     flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
     use = (flat_rows >= 0) & (flat_b > 0)
     counts = torch.zeros(N * Z, dtype=torch.long)
     per_traj: list[list[KVPiece]] = [[] for _ in range(N)]
     if use.any():
-        kv = bank.gather_kv(flat_rows[use])
-        n_cache = kv.shape[1]
         c = torch.minimum(flat_b[use], bank.kv_lengths(flat_rows[use]))
         counts[use] = c
-        for k, flat_idx in enumerate(use.nonzero().reshape(-1).tolist()):
-            ck = int(c[k])
-            if ck > 0:
-                per_traj[flat_idx // Z].append(KVPiece(kv[k, n_cache - ck:], n_cache - ck))
+        read = c > 0
+        slots = bank.kv_slots(flat_rows[use][read], c[read], device).split(c[read].tolist())
+        for k, flat_idx in enumerate(use.nonzero().reshape(-1)[read].tolist()):
+            per_traj[flat_idx // Z].append(KVPiece(slots[k], bank.n_cache - int(slots[k].shape[0])))
     return per_traj, counts.reshape(N, Z)
 
 
@@ -98,10 +105,12 @@ def text_memories(embeddings: nn.Module, ids_of: Callable[[int], list[int]], row
 
 def forget_chunk_ids(cache: dict[int, list[int]], old: Bank, new: Bank) -> None:
     """Drop from ``cache`` (``chunk_ids``') the rows that ``new`` no longer holds as ``old`` did: all of
-    them for another bank, the forgotten ones for a newer snapshot of the same bank."""
-    if not new.extends(old):
-        cache.clear()  # rows of another bank
-    elif new.deleted != old.deleted:  # forgotten rows: their tokens leave this process too
-        for a, b in new.deleted:
-            for r in range(a, b):
-                cache.pop(r, None)
+    them for another bank (or an older snapshot), the ones deleted since for a newer snapshot of the
+    same bank (their tokens leave this process too)."""
+    change = snapshot_change(old, new)
+    if change is None:
+        cache.clear()
+        return
+    for a, b in change.removed:
+        for r in range(a, b):
+            cache.pop(r, None)

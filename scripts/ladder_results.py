@@ -31,9 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from elasticmem.apps.ladder import RUNGS  # noqa: E402
 from elasticmem.eval import stats  # noqa: E402
 from elasticmem.eval.budget_rules import budget_vectors  # noqa: E402
-from elasticmem.eval.ladder import RUNGS  # noqa: E402
 from elasticmem.eval.metrics import load_records  # noqa: E402
 from elasticmem.eval.provenance import git_state  # noqa: E402
 from elasticmem.eval.rescore import predictions_entry, rescore_file  # noqa: E402
@@ -43,9 +43,10 @@ EXTRA_LABELS = {"no_memory_trained": "the no-memory reasoner, same recipe (contr
                 "base_no_memory": "the base reasoner, no memory, untrained", "text_trained": "text memory, same recipe"}
 
 
-def trim(src: Path, dst: Path, budgets: bool) -> None:
-    """The fields the tables need, one record a line, in id order."""
-    recs = sorted(load_records(src), key=lambda r: str(r["id"]))
+def trim(src: Path, dst: Path, budgets: bool, question_type: str | None = None) -> None:
+    """The fields the tables need, one record a line, in id order (only ``question_type``'s, if given)."""
+    recs = sorted((r for r in load_records(src) if question_type in (None, r.get("question_type"))),
+                  key=lambda r: str(r["id"]))
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst, "w", encoding="utf-8") as f:
         for r in recs:
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="", help="the command that made the ladder")
     ap.add_argument("--label", action="append", default=[], metavar="FOLDER=TEXT",
                     help="what an --extra folder is, for its row (repeatable); such folders are rows too")
+    ap.add_argument("--question-type", help="only the questions of this type (e.g. multi_hop): the ladder on them")
     ap.add_argument("--num-options", type=int, default=4)
     ap.add_argument("--results", default=str(REPO / "docs" / "results"))
     args = ap.parse_args(argv)
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             tag = name if seeds == 1 else f"s{s}/{name}"
             path = out / f"{tag}.predictions.jsonl"
-            trim(folders[name] / "predictions.jsonl", path, budgets=name == SYSTEM)
+            trim(folders[name] / "predictions.jsonl", path, budgets=name == SYSTEM, question_type=args.question_type)
             correct[name].append(rescore_file(path, args.num_options))
             recs = load_records(path)
             tokens[name].append(sum(r["memory_tokens"] for r in recs) / len(recs))
@@ -171,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             "provenance": f"re-scored from the answers' text of {', '.join(args.ladders)} (trimmed copies under "
                           f"docs/results/{args.name}/); written by scripts/ladder_results.py",
             "predictions": preds, "data": data, "table": {"header": header, "rows": rows}}
+    if args.question_type:
+        spec["question_type"] = args.question_type
     if seeds > 1:
         spec["pooling"] = data["paired"][next(n for n in order if n != SYSTEM)]["pooling"] if len(order) > 1 else ""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(spec, indent=1) + "\n")
+    if args.question_type:  # the budget vectors are the whole ladder's (its own results file)
+        print(f"wrote {out.with_suffix('.json')}", file=sys.stderr)
+        return 0
     vec = budget_vectors([r for s in range(seeds) for r in load_records(
         out / (f"{SYSTEM}.predictions.jsonl" if seeds == 1 else f"s{s}/{SYSTEM}.predictions.jsonl"))], top=6)
     vspec = {"command": args.command, "commit": commit, "code_dirty": dirty,

@@ -280,7 +280,7 @@ class EvalConfig:
     """Which memories an ElasticMem-path system reads: 'retrieved' (its own retrieval); 'evidence'
     (each question's evidence chunks alone, in place of retrieval: reading measured apart from
     retrieval and budgets; data that record evidence only). A diagnostic of the reading ladder
-    (``python -m elasticmem.eval.ladder``)."""
+    (``python -m elasticmem.apps.ladder``)."""
     budgets: str = "policy"
     """How an ElasticMem system's latent budgets are set at evaluation: 'policy' (the learned
     policy's argmax: the method); 'max' (memory.policy.max_budget for every memory: uniform
@@ -402,6 +402,12 @@ class WarmupConfig:
     through a map trained (with memory.retrieval_map's own settings) on the other folds only, so
     the policy is fitted on retrieval that never saw the question, as at test; 0 = through
     memory.retrieval_map itself (trained on these questions: the evidence is nearly always first)."""
+    policy_target: Literal["evidence", "evidence_or_top1"] = "evidence"
+    """The policy fit's target (policy_epochs): 'evidence' = max_budget for the evidence memories
+    and min_budget for the others, so a set whose retrieval missed the evidence (or whose Z'
+    prefix cut it) teaches the policy to withhold every token; 'evidence_or_top1' = the same where
+    the set holds evidence, else max_budget for its top-ranked memory (what the top-1 rule reads),
+    so the policy learns to move tokens off the first memory only towards evidence it can see."""
     policy_lr: float = 1.0e-3
     """Learning rate of the policy fit (policy_epochs)."""
     policy_batch_size: int = 32

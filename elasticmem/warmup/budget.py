@@ -116,18 +116,32 @@ def prefix_mask(mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return mask & (torch.arange(Z)[None, :] < keep)
 
 
+def budget_targets(evidence: torch.Tensor, mask: torch.Tensor, max_budget: int, min_budget: int = 0,
+                   fallback_top1: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fit's target budgets [N, Z] and the slots it names ``positive`` [N, Z] bool, from the
+    ``evidence`` and present (``mask``) slots [N, Z]: max_budget for the present evidence, and
+    with ``fallback_top1`` for the first slot of a set with no present evidence (rank order: slot
+    0 is the top-ranked memory); min_budget elsewhere."""
+    positive = evidence & mask
+    if fallback_top1:
+        missed = ~positive.any(-1)
+        positive = positive.clone()
+        positive[:, 0] |= missed & mask[:, 0]
+    return torch.where(positive, max_budget, min_budget), positive
+
+
 def fit_policy(policy, sets: PolicySets, *, epochs: int, lr: float, batch_size: int, max_budget: int,
                min_budget: int = 0, weight_decay: float = 0.01, augment_z: bool = True,
-               generator: torch.Generator | None = None) -> list[dict[str, float]]:
-    """Train ``policy`` (a ``BudgetPolicy``) on ``sets`` towards max_budget for the evidence and
-    min_budget for the others; returns one metrics dict per epoch (loss, and the argmax budgets'
-    mean on evidence and other slots of the full sets)."""
+               fallback_top1: bool = False, generator: torch.Generator | None = None) -> list[dict[str, float]]:
+    """Train ``policy`` (a ``BudgetPolicy``) on ``sets`` towards ``budget_targets`` (max_budget
+    for the evidence, min_budget for the others; with ``fallback_top1`` max_budget for the top
+    memory of a set without evidence); returns one metrics dict per epoch (loss, and the argmax
+    budgets' mean on evidence and other slots of the full sets)."""
     from elasticmem.model.budget_policy import budget_supervision_loss
 
     gen = generator or torch.Generator().manual_seed(0)
     dev = next(policy.parameters()).device
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
-    target = torch.where(sets.evidence, max_budget, min_budget)
     history = []
     for epoch in range(epochs):
         policy.train()
@@ -136,10 +150,11 @@ def fit_policy(policy, sets: PolicySets, *, epochs: int, lr: float, batch_size: 
         for i in range(0, len(sets), batch_size):
             idx = order[i : i + batch_size]
             mask = prefix_mask(sets.mask[idx], gen) if augment_z else sets.mask[idx]
+            target, positive = budget_targets(sets.evidence[idx], mask, max_budget, min_budget, fallback_top1)
             logits = policy.logits(sets.h[idx].to(dev), sets.keys[idx].to(dev), sets.scores[idx].to(dev),
-                                   mask.to(dev), target[idx].to(dev))
-            loss = budget_supervision_loss(logits, target[idx].to(dev), mask.to(dev), min_budget,
-                                           positive=sets.evidence[idx].to(dev))
+                                   mask.to(dev), target.to(dev))
+            loss = budget_supervision_loss(logits, target.to(dev), mask.to(dev), min_budget,
+                                           positive=positive.to(dev))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -192,7 +207,7 @@ def run(cfg: Config) -> dict[str, Any]:
     save_config(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
     backbone = load_backbone(cfg.backbone)  # the model as the warm-up builds it (systems sits above this layer)
-    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv_dtype=cfg.kv_dtype_read)
     model = ElasticMem(backbone, cfg.memory, bank, build_index(bank, cfg.bank.index, cfg.seed, device=backbone.device))
     check_init(cfg.eval.checkpoint, model)
     model.load_weights(cfg.eval.checkpoint)
@@ -218,6 +233,7 @@ def fit_model_policy(model, cfg: Config, train: Sequence[Example], val: Sequence
             else policy_sets(model, train, ev))
     history = fit_policy(model.policy, sets, epochs=w.policy_epochs, lr=w.policy_lr, batch_size=w.policy_batch_size,
                          max_budget=pol.max_budget, min_budget=pol.min_budget,
+                         fallback_top1=w.policy_target == "evidence_or_top1",
                          generator=torch.Generator().manual_seed(cfg.seed))
     result = {"train_sets": len(sets), "folds": folds, "train_evidence_first": float(sets.evidence[:, 0].float().mean()),
               "epochs": history, "seconds": time.perf_counter() - t0}

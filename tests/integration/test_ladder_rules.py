@@ -24,7 +24,7 @@ RUNGS = "latent_uniform,latent_learned,rule_top1,rule_top2,rule_gap,rule_spread,
 @pytest.fixture(scope="module")
 def rules_run(tmp_path_factory):
     """Data, a bank, an untrained checkpoint with a perturbed policy, and the ladder's rule rungs."""
-    from elasticmem.eval import ladder
+    from elasticmem.apps import ladder
 
     root = tmp_path_factory.mktemp("ladder_rules")
     overrides = [f"data.dir={root}/data", f"bank.dir={root}/bank", "data.synthetic.num_histories=60",
@@ -168,3 +168,37 @@ def test_ladder_results_publish_re_scored_figures_and_refuse_edited_text(rules_r
     trimmed.write_text("".join(json.dumps(r) + "\n" for r in recs))
     with pytest.raises(ValueError, match="rule_top2"):
         gen.verify(spec, res / "x" / "ladder.json")
+
+
+def test_ladder_results_on_one_question_type_count_only_its_questions(rules_run, tmp_path):
+    """``--question-type T``: every cell re-counts over the questions of type T alone (the ladder's
+    own records filtered independently here), and no budget file is written for the subset."""
+    from elasticmem.data.rewards import parse_option_letter
+    from elasticmem.eval import stats
+
+    import shutil
+
+    _, ran = rules_run
+    out = tmp_path / "ladder"  # the tiny task has one question type: a copy whose odd questions are "other"
+    shutil.copytree(ran, out)
+    ids = sorted(_records(out / "latent_learned" / "predictions.jsonl"))
+    other = set(ids[1::2])
+    for f in out.glob("*/predictions*.jsonl"):
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        f.write_text("".join(json.dumps({**r, "question_type": "other" if r["id"] in other else r["question_type"]}) + "\n"
+                             for r in recs))
+    texts = _records(out / "rule_top2" / "predictions.jsonl")
+    qtype = "other"
+    res = tmp_path / "results"
+    assert load_script("ladder_results").main([str(out), "--name", "x/typed", "--title", "tiny", "--num-options", "4",
+                                               "--results", str(res), "--question-type", qtype]) == 0
+    spec = json.loads((res / "x" / "typed.json").read_text())
+    assert spec["question_type"] == qtype and not (res / "x" / "typed_budgets.json").exists()
+    gen = load_script("gen_results_tables")
+    gen.verify(spec, res / "x" / "typed.json")
+    rows = {r.split(" | ")[0].strip("| *"): r.split(" | ") for r in gen.render(spec).splitlines()[2:]}
+    right = [parse_option_letter(r["prediction"], 4) == r["gold"] for r in texts.values() if r["question_type"] == qtype]
+    k, n = sum(right), len(right)
+    assert 0 < n < len(texts)
+    lo, hi = stats.wilson_interval(k, n)
+    assert rows["rule_top2"][2] == f"{k / n:.3f} [{lo:.3f}, {hi:.3f}], n = {n}"

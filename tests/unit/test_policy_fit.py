@@ -14,7 +14,7 @@ from conftest import ROOT
 
 from elasticmem.config import BudgetPolicyConfig, load_config
 from elasticmem.model.budget_policy import BudgetPolicy
-from elasticmem.warmup.budget import PolicySets, argmax_budgets, fit_policy, policy_sets, prefix_mask
+from elasticmem.warmup.budget import PolicySets, argmax_budgets, budget_targets, fit_policy, policy_sets, prefix_mask
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,21 @@ def test_prefix_mask_keeps_a_rank_prefix():
     kept = cut.long()
     assert torch.equal(kept, kept.cummin(-1).values * mask)  # no slot kept after a dropped one (among present)
     assert len(set(cut.sum(-1).tolist())) == 5
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_targets_name_the_present_evidence_or_fall_back_to_the_top_memory(fallback):
+    gen = torch.Generator().manual_seed(3)
+    evidence = torch.rand(200, 5, generator=gen) < 0.2
+    mask = prefix_mask(torch.ones(200, 5, dtype=torch.bool), gen)
+    target, positive = budget_targets(evidence, mask, 8, 1, fallback_top1=fallback)
+    for n in range(200):  # one set at a time, as the docstring says
+        named = [bool(evidence[n, z] and mask[n, z]) for z in range(5)]
+        if fallback and not any(named):
+            named[0] = bool(mask[n, 0])
+        assert positive[n].tolist() == named
+        assert target[n].tolist() == [8 if p else 1 for p in named]
+    assert bool((~mask & positive).any()) is False
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

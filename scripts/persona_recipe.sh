@@ -8,6 +8,9 @@
 #   OUT=~/runs/persona bash scripts/persona_recipe.sh [key=value ...]      # exit 0: done; 75: run again
 #   SEEDS="0 1 2" ARMS="elasticmem no_memory text" PIECE_HOURS=2 CAPS=16,32,48,64 MAP=1 OUT=... bash scripts/persona_recipe.sh
 #   (PIECE_SECONDS overrides PIECE_HOURS; two instances with disjoint ARMS may run at once on one OUT)
+#   PREPARE="locomo-mc10 --input PATH/locomo10.json" CONFIG=configs/locomo_mc10.yaml OUT=... bash scripts/persona_recipe.sh
+#   (PREPARE: the arguments of `python -m elasticmem.data.prepare` for a real data set, --out OUT/data added;
+#   unset, the preset's synthetic task. scripts/locomo_mc10.sh is this line.)
 #
 # OUT/map.safetensors: the retrieval map (MAP=1, the default: a residual MLP on the layer-mean query
 # states and keys, trained once on the training questions; MAP=0: none). Per seed S, under OUT/sS/:
@@ -62,7 +65,12 @@ arm_args() {  # the config overrides of one arm
 }
 
 python -m elasticmem.backbone fetch smollm2
-stage data "$OUT/data/stats.json" python -m elasticmem.data.prepare synthetic --config "$CONFIG" "${common[@]}" "$@"
+if [ -n "${PREPARE:-}" ]; then
+  read -r -a prepare <<< "$PREPARE"
+  stage data "$OUT/data/stats.json" python -m elasticmem.data.prepare "${prepare[@]}" --out "$OUT/data"
+else
+  stage data "$OUT/data/stats.json" python -m elasticmem.data.prepare synthetic --config "$CONFIG" "${common[@]}" "$@"
+fi
 stage bank "$OUT/bank/manifest.json" python build_bank.py --config "$CONFIG" "${common[@]}" "$@"
 if [ "${MAP:-1}" = 1 ]; then  # the learned query/key map of the preset's retrieval, once for every seed
   stage "retrieval map" "$OUT/map.safetensors" python -m elasticmem.warmup.retrieval_map --config "$CONFIG" \
@@ -92,7 +100,7 @@ for s in $SEEDS; do
       [ -e "$run/ladder/ladder.md" ] ||
         echo "[recipe] seed $s: no text arm ($run/text/train/final): the ladder runs its latent rungs only" >&2
     fi
-    stage "seed $s: ladder" "$run/ladder/ladder.md" python -m elasticmem.eval.ladder --config "$CONFIG" \
+    stage "seed $s: ladder" "$run/ladder/ladder.md" python -m elasticmem.apps.ladder --config "$CONFIG" \
       "${common[@]}" seed="$s" eval.checkpoint="$run/elasticmem/train/final" eval.output_dir="$run/ladder" \
       "${caps[@]}" "${text_ckpt[@]}" "$@"
   fi
@@ -111,5 +119,5 @@ for s in $SEEDS; do ladders+=("$OUT/s$s/ladder"); done
 pairs="latent_uniform:latent_learned,no_memory:latent_learned,latent_oracle:latent_learned"
 has no_memory && [ -e "$OUT/s$first/ladder/no_memory_trained/results.json" ] && pairs+=",no_memory_trained:latent_learned"
 has text && [ -e "$OUT/s$first/ladder/text_trained/results.json" ] && pairs+=",text_trained:latent_learned"
-python -m elasticmem.eval.ladder pool "${ladders[@]}" --pairs "$pairs" --out "$OUT/summary.md"
+python -m elasticmem.apps.ladder pool "${ladders[@]}" --pairs "$pairs" --out "$OUT/summary.md"
 echo "[recipe] done: $OUT/summary.md" >&2

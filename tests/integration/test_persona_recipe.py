@@ -47,7 +47,7 @@ def test_runs_in_pieces_to_a_summary_over_seeds_and_redoes_nothing(tmp_path):
         nm = yaml.safe_load((out / f"s{s}/no_memory/train/config.yaml").read_text())
         assert nm["memory"]["top_z"] == 0 and nm["warmup"]["budget_weight"] == 0
         ladder = json.loads((out / f"s{s}/ladder/ladder.json").read_text())
-        from elasticmem.eval.ladder import RUNGS, _applies
+        from elasticmem.apps.ladder import RUNGS, _applies
 
         # tiny_mechanism: Z = 4; no text arm (ARMS has none): the latent rungs only
         assert set(ladder["rungs"]) == {r.name for r in RUNGS if _applies(r, 4) and not r.text}
@@ -61,3 +61,43 @@ def test_runs_in_pieces_to_a_summary_over_seeds_and_redoes_nothing(tmp_path):
     again = run(out)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[recipe] seed" not in again.stderr  # every stage was done: none ran again
+
+
+def _locomo_file(path: Path) -> Path:
+    """Ten two-session conversations in locomo10.json's layout, four questions each (enough for its 6/2/2 split)."""
+    convs = []
+    for c in range(10):
+        a, b = f"Ann{c}", f"Bob{c}"
+        turns = [{"speaker": a if i % 2 == 0 else b, "dia_id": f"D1:{i + 1}", "text": f"turn {i} of {c}"} for i in range(4)]
+        conv = {"speaker_a": a, "speaker_b": b, "session_1_date_time": "1:00 pm on 1 May, 2023", "session_1": turns}
+        qa = [{"question": f"q{i} of {c}?", "answer": f"answer {c}-{i}", "evidence": [f"D1:{i + 1}"], "category": 1 + i % 4}
+              for i in range(4)]
+        convs.append({"sample_id": f"conv-{c + 1}", "conversation": conv, "qa": qa})
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def test_locomo_script_is_the_recipe_on_locomo(tmp_path):
+    """scripts/locomo_mc10.sh: LoCoMo MC-10 prepared as the recipe's data stage (OUT/data), the recipe's
+    stages on it (here the tiny preset's bank and its no-memory arm, trained and evaluated), then the full
+    context as a reference; without LOCOMO it refuses to start."""
+    script = ROOT / "scripts" / "locomo_mc10.sh"
+    env = {**os.environ, "ELASTICMEM_VENV": sys.prefix, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", str(script)], cwd=ROOT, env={k: v for k, v in env.items() if k != "LOCOMO"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "set LOCOMO" in p.stderr
+    locomo, out = _locomo_file(tmp_path / "locomo10.json"), tmp_path / "locomo"
+    env |= {"LOCOMO": str(locomo), "OUT": str(out), "CONFIG": "configs/tiny_mechanism.yaml", "MAP": "0",
+            "ARMS": "no_memory"}
+    p = subprocess.run(["bash", str(script), *OVERRIDES], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    stats = json.loads((out / "data" / "stats.json").read_text())
+    assert stats["dataset"] == "locomo-mc10" and stats["inputs"][0]["path"] == str(locomo)
+    test_ids = {json.loads(line)["id"] for line in (out / "data" / "test.jsonl").read_text().splitlines()}
+    assert len(test_ids) == 8
+    nm = yaml.safe_load((out / "s0/no_memory/train/config.yaml").read_text())
+    assert nm["data"]["dir"] == str(out / "data") and nm["memory"]["top_z"] == 0
+    for name, system in (("s0/ladder/no_memory_trained", "no_memory"), ("full_context", "full_context")):
+        rows = [json.loads(line) for line in (out / name / "predictions.jsonl").read_text().splitlines()]
+        assert {r["id"] for r in rows} == test_ids, name
+        assert yaml.safe_load((out / name / "config.yaml").read_text())["eval"]["system"] == system

@@ -3,6 +3,8 @@
 Why one file (about 650 lines): appending, compaction and forgetting's purge write the same on-disk
 records under the same folder lock and crash rules (new names, fsync, a journal record as the
 commit, garbage collected later); kept together, those rules are written and checked once.
+Compaction runs inside an append, under the same lock, and commits through the same journal and
+checkpoint functions: apart, the two halves would each import the other's private commit steps.
 
 An append encodes the new chunks exactly as a build does (``encode_shard``: the frozen encoder,
 the bank's own tokenization, key variant, content layer, cache length and dtype), then
@@ -33,10 +35,6 @@ group already holds is skipped, so a retried or repeated append adds nothing. Ch
 made by ``chunk_history`` (one per user+assistant pair of a session), so appending a
 conversation's sessions one by one gives each group the rows, in the same order, that a build
 of the whole history gives (``tests/unit/test_bank_append.py`` checks keys and caches to 1e-6).
-
-Why one file (just over 600 lines): compaction runs inside an append, under the same folder lock, and
-commits through the same journal and checkpoint functions; apart, the two halves would each import the
-other's private commit steps.
 
     python build_bank.py --config configs/quickstart.yaml --append   # add new data to a built bank
     from elasticmem.live import LiveMemory                            # the agent-facing API on top

@@ -31,6 +31,11 @@ them from the commit on) and join ``deleted`` (every row ever deleted) and ``unp
 rows whose text and tensors some file still holds). Rows keep their numbers: the survivors' ids
 never change. Compaction purges: it rewrites the files holding ``unpurged`` rows with those rows
 zeroed (text, keys, caches) and deletes the files it replaced at once.
+
+Why one file (about 610 lines): ``Bank`` is one snapshot class; its reads (keys, hidden caches, KV
+slots and their dequantization), group segments and ``refresh`` share its private file handles and
+chunk records, and the storage layouts it reads are already their own modules (``kv_store``,
+``quant``, ``manifest``).
 """
 
 from __future__ import annotations

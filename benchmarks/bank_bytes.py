@@ -1,0 +1,90 @@
+"""Bank bytes per chunk and per million tokens of history, for SmolLM2 and Qwen2.5 0.5B / 3B / 7B shapes at
+every KV dtype, next to the hidden-state (projector) variant: the planner of docs/cluster.md.
+
+    python benchmarks/bank_bytes.py [--chunk-tokens 90] [--out docs/results/cluster/bank_bytes.json]
+
+No model is loaded: each shape's per-layer keys and values for one block of chunks are random tensors of
+that shape, stored by the bank's own code (``elasticmem.bank.kv_store.encode_rows``, the int8 / int4
+scheme included), and their bytes counted with ``bytes_by_part``; so the figures are the storage format's,
+not a formula's (quantization's scales and minima included). A chunk of ``--chunk-tokens`` tokens keeps
+``min(tokens - 1, B_max)`` positions (its first, the attention sink, is never stored); its key is 4 B x d.
+The hidden-state variant stores ``n_cache`` float16 states of width d (``memory.content=hidden``). The
+SmolLM2 row can be checked against a measured bank: ``build.bytes_per_chunk`` in its manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import write_json  # noqa: E402
+
+from elasticmem.bank.kv_store import KV_DTYPES, KVFormat, bytes_by_part, encode_rows  # noqa: E402
+
+SHAPES = {  # hidden width d, layers, KV heads, head width (the models' config.json)
+    "SmolLM2-135M": (576, 30, 3, 64),
+    "Qwen2.5-0.5B": (896, 24, 2, 64),
+    "Qwen2.5-3B": (2048, 36, 2, 128),
+    "Qwen2.5-7B": (3584, 28, 4, 128),
+}
+DTYPES = [d for d in KV_DTYPES if d != "bfloat16"]  # bfloat16 stores as many bytes as float16
+
+
+def kv_bytes_per_chunk(layers: int, heads: int, head_dim: int, dtype: str, slots: int, group_size: int = 32,
+                       rows: int = 8) -> float:
+    """Bytes of per-layer KV one chunk of ``slots`` stored positions takes, by the bank's storage code."""
+    gen = torch.Generator().manual_seed(0)
+    window = torch.randn(rows, slots, layers, 2, heads, head_dim, generator=gen)
+    fmt = KVFormat(dtype, slots, "ragged", group_size if dtype in ("int8", "int4") else 0)
+    tensors = encode_rows(window, torch.full((rows,), slots), fmt)
+    return bytes_by_part(tensors)["kv"] / rows
+
+
+def plan(chunk_tokens: int, max_budget: int, n_cache_hidden: int) -> list[dict]:
+    """One row per shape and storage: bytes per chunk and per million tokens of history."""
+    slots = min(chunk_tokens - 1, max_budget)
+    chunks_per_m = 1e6 / chunk_tokens
+    out = []
+    for name, (d, layers, heads, hd) in SHAPES.items():
+        key = 4 * d
+        hidden = key + 2 * n_cache_hidden * d
+        out.append({"model": name, "storage": f"hidden states (n_cache {n_cache_hidden}, float16)",
+                    "bytes_per_chunk": hidden, "gb_per_m_tokens": hidden * chunks_per_m / 1e9})
+        for dt in DTYPES:
+            b = key + kv_bytes_per_chunk(layers, heads, hd, dt, slots)
+            out.append({"model": name, "storage": f"per-layer KV, {dt}", "bytes_per_chunk": b,
+                        "gb_per_m_tokens": b * chunks_per_m / 1e9})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunk-tokens", type=int, default=90, help="tokens a chunk (LoCoMo's turn pairs: median 87)")
+    ap.add_argument("--max-budget", type=int, default=128, help="memory.policy.max_budget: positions kept a chunk")
+    ap.add_argument("--n-cache-hidden", type=int, default=20, help="bank.n_cache of the hidden-state variant")
+    ap.add_argument("--out", help="also write the rows as a results file")
+    args = ap.parse_args(argv)
+    rows = plan(args.chunk_tokens, args.max_budget, args.n_cache_hidden)
+    for r in rows:
+        print(f"{r['model']:14s} {r['storage']:34s} {r['bytes_per_chunk'] / 1e6:8.3f} MB a chunk "
+              f"{r['gb_per_m_tokens']:8.1f} GB per 1M tokens")
+    if args.out:
+        kept = min(args.chunk_tokens - 1, args.max_budget)
+        table = {"header": [f"backbone, storage ({args.chunk_tokens}-token chunks, {kept} positions kept)",
+                            "MB a chunk", "GB per 1M tokens of history"],
+                 "rows": [[f"{r['model']}, {r['storage']}", f"{{rows[{i}][mb_per_chunk]:.3f}}",
+                           f"{{rows[{i}][gb_per_m_tokens]:.1f}}"] for i, r in enumerate(rows)]}
+        data = {"rows": [{**r, "mb_per_chunk": r["bytes_per_chunk"] / 1e6} for r in rows],
+                "chunk_tokens": args.chunk_tokens, "max_budget": args.max_budget}
+        write_json(args.out, {"provenance": "the bank's storage code on random tensors of each shape (no model)",
+                              "data": data, "table": table}, __file__, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

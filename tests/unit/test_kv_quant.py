@@ -22,7 +22,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import requires_smollm2
+from conftest import ROOT, requires_smollm2
 from safetensors import safe_open
 from test_elasticmem import lengthened, memory_cfg, tiny_backbone
 
@@ -350,3 +350,25 @@ def test_zero_rows_zeroes_a_rows_slots_and_nothing_else():
                 assert not t.any(), name
             else:
                 assert torch.equal(t, rows[r][name]), (r, name)
+
+
+def test_planner_bytes_follow_the_storage_format(monkeypatch):
+    """benchmarks/bank_bytes.py: a float KV chunk takes positions x layers x 2 x heads x width x dtype bytes
+    plus its float32 key and int32 slot count (counted independently here), int8 and int4 add only their scales and minima
+    to codes of 1 and 1/2 byte a value, and the hidden-state variant is key + n_cache x d float16."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bank_bytes
+
+    rows = {(r["model"], r["storage"]): r["bytes_per_chunk"] for r in bank_bytes.plan(90, 128, 20)}
+    d, layers, heads, hd = 576, 30, 3, 64
+    values, base = 89 * layers * 2 * heads * hd, 4 * d + 4  # the float32 key and the int32 kv_len
+    assert rows[("SmolLM2-135M", "per-layer KV, float16")] == base + 2 * values
+    assert rows[("SmolLM2-135M", "per-layer KV, float32")] == base + 4 * values
+    assert rows[("SmolLM2-135M", "hidden states (n_cache 20, float16)")] == 4 * d + 2 * 20 * d
+    for dt, per_value in (("int8", 1.0), ("int4", 0.5)):
+        overhead = rows[("SmolLM2-135M", f"per-layer KV, {dt}")] - base - per_value * values
+        # values: a float16 scale and minimum per 32 channels of each position; keys: per channel of each chunk
+        assert overhead == 89 * layers * heads * (hd // 32) * 4 + layers * heads * hd * 4
+    sys.modules.pop("bank_bytes", None)

@@ -229,7 +229,7 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
     else:
         bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
     mem = memory_config(cfg, overrides)
-    if mem.content == "kv" and mem.injection != "text" and mem.top_z > 0 and bank.num_chunks:
+    if mem.reads_kv and bank.num_chunks:
         bank.require_kv_dtype(cfg.bank.kv_dtype)  # an int4 bank is not read as float16 (or the reverse) silently
     key_index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if cfg.eval.system == "memgen":

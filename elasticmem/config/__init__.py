@@ -129,8 +129,7 @@ class Config:
     def kv_dtype_read(self) -> str | None:
         """The ``bank.kv_dtype`` the reasoner reads its memories' keys and values at
         (memory.content=kv), else None: what ``Bank.open(expect_kv_dtype=...)`` holds a bank to."""
-        reads_kv = self.memory.content == "kv" and self.memory.injection != "text" and self.memory.top_z > 0
-        return self.bank.kv_dtype if reads_kv else None
+        return self.bank.kv_dtype if self.memory.reads_kv else None
 
 
 Config.__renamed__ = {"model": "backbone"}  # old section name -> new (read with a warning for one release)

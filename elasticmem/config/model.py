@@ -271,6 +271,11 @@ class MemoryConfig:
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     """The projector from cached states to input embeddings."""
 
+    @property
+    def reads_kv(self) -> bool:
+        """Whether the reasoner reads its memories' per-layer keys and values from the bank."""
+        return self.content == "kv" and self.injection != "text" and self.top_z > 0
+
 
 @dataclass
 class MemGenConfig:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import locomo_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "persona_recipe.sh"
@@ -63,20 +64,6 @@ def test_runs_in_pieces_to_a_summary_over_seeds_and_redoes_nothing(tmp_path):
     assert "[recipe] seed" not in again.stderr  # every stage was done: none ran again
 
 
-def _locomo_file(path: Path) -> Path:
-    """Ten two-session conversations in locomo10.json's layout, four questions each (enough for its 6/2/2 split)."""
-    convs = []
-    for c in range(10):
-        a, b = f"Ann{c}", f"Bob{c}"
-        turns = [{"speaker": a if i % 2 == 0 else b, "dia_id": f"D1:{i + 1}", "text": f"turn {i} of {c}"} for i in range(4)]
-        conv = {"speaker_a": a, "speaker_b": b, "session_1_date_time": "1:00 pm on 1 May, 2023", "session_1": turns}
-        qa = [{"question": f"q{i} of {c}?", "answer": f"answer {c}-{i}", "evidence": [f"D1:{i + 1}"], "category": 1 + i % 4}
-              for i in range(4)]
-        convs.append({"sample_id": f"conv-{c + 1}", "conversation": conv, "qa": qa})
-    path.write_text(json.dumps(convs))
-    return path
-
-
 def test_locomo_script_is_the_recipe_on_locomo(tmp_path):
     """scripts/locomo_mc10.sh: LoCoMo MC-10 prepared as the recipe's data stage (OUT/data), the recipe's
     stages on it (here the tiny preset's bank and its no-memory arm, trained and evaluated), then the full
@@ -86,7 +73,7 @@ def test_locomo_script_is_the_recipe_on_locomo(tmp_path):
     p = subprocess.run(["bash", str(script)], cwd=ROOT, env={k: v for k, v in env.items() if k != "LOCOMO"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "set LOCOMO" in p.stderr
-    locomo, out = _locomo_file(tmp_path / "locomo10.json"), tmp_path / "locomo"
+    locomo, out = locomo_file(tmp_path, per_conv=3), tmp_path / "locomo"  # 4 MC questions a conversation
     env |= {"LOCOMO": str(locomo), "OUT": str(out), "CONFIG": "configs/tiny_mechanism.yaml", "MAP": "0",
             "ARMS": "no_memory"}
     p = subprocess.run(["bash", str(script), *OVERRIDES], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)

@@ -15,6 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import locomo_conversation as _conversation
+from conftest import locomo_file as _fixture
 
 from elasticmem.data import locomo
 from elasticmem.data.locomo import ADVERSARIAL_ANSWER, prepare_locomo, read_locomo
@@ -170,42 +172,6 @@ def test_real_split_is_6_2_2_by_sorted_conversation(real, rows) -> None:
 
 
 # --------------------------------------------------------------------------- small fixtures
-
-
-def _turn(speaker: str, dia: str, text: str, **kw) -> dict:
-    return {"speaker": speaker, "dia_id": dia, "text": text, **kw}
-
-
-def _conversation(sample_id: str, answers: list[tuple[int, object]], a: str = "Ann", b: str = "Bob") -> dict:
-    conv = {
-        "speaker_a": a, "speaker_b": b,
-        "session_1_date_time": "1:00 pm on 1 May, 2023",
-        "session_1": [_turn(a, "D1:1", "I adopted a cat."), _turn(b, "D1:2", "Nice!"),
-                      _turn(a, "D1:3", "Look.", img_url=["x"], blip_caption="a photo of a cat", query="cat")],
-        "session_2_date_time": "2:00 pm on 9 May, 2023",
-        "session_2": [_turn(b, "D2:1", "How is the cat?"), _turn(a, "D2:2", "Great.")],
-        "session_3_date_time": "never happened",  # a date without a session, as in the real file
-    }
-    qa = []
-    for i, (cat, ans) in enumerate(answers):
-        q = {"question": f"{sample_id} question {i}?", "evidence": ["D1:1; D2:2"], "category": cat}
-        if cat == 5:
-            q["adversarial_answer"] = f"trap {i}"
-        else:
-            q["answer"] = ans
-        qa.append(q)
-    return {"sample_id": sample_id, "conversation": conv, "qa": qa, "event_summary": {}, "observation": {},
-            "session_summary": {}}
-
-
-def _fixture(tmp_path: Path, n_conv: int = 10, per_conv: int = 12) -> Path:
-    data = []
-    for c in range(n_conv):
-        answers = [((i % 4) + 1, f"answer {c}-{i}") for i in range(per_conv)] + [(5, None), (2, 2022)]
-        data.append(_conversation(f"conv-{c + 1}", answers))
-    p = tmp_path / "locomo10.json"
-    p.write_text(json.dumps(data, indent=1))
-    return p
 
 
 def test_fixture_histories_and_roles(tmp_path: Path) -> None:

@@ -417,8 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _pool_main(argv[1:])
     import argparse
 
-    from elasticmem.config import load_config
     from elasticmem.apps import evaluate
+    from elasticmem.config import load_config
     from elasticmem.eval import budget_rules
     from elasticmem.utils.options import add_options, resolve_options, split_options
 
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.gaps and (not opts.rungs or "rule_gap" in opts.rungs):
         val_root = out_root / f"gap_{opts.val_split}"
         code = evaluate.main([*rest, f"eval.split={opts.val_split}", f"eval.output_dir={val_root}",
-                         "eval.variants=" + json.dumps(budget_rules.gap_variants(opts.gaps))])
+                              "eval.variants=" + json.dumps(budget_rules.gap_variants(opts.gaps))])
         if code != 0:
             return code
         val = {g: json.loads((val_root / f"gap_{g:g}" / "results.json").read_text()) for g in opts.gaps}

@@ -320,7 +320,7 @@ def _check_storage(out: Path, manifest: dict[str, Any], header: dict[str, Any]) 
     if want and not had:
         raise BankError(f"{out} holds this bank without the hidden-state cache, which bank.hidden_cache asks for: "
                         f"set bank.overwrite=true to rebuild it")
-    if old and new and (old.dtype, old.group_size if old.bits else 0) != (new.dtype, new.group_size if new.bits else 0):
+    if old and new and (old.dtype, old.group_size) != (new.dtype, new.group_size):
         raise BankError(f"{out} holds this bank with per-layer KV stored as {old.describe()}, but the config asks "
                         f"for {new.describe()}: convert it (build_bank.py --config ... --convert) or set "
                         f"bank.overwrite=true to rebuild it")

@@ -140,7 +140,7 @@ def _convert(cfg, prog: str) -> int:
     except (ConfigError, BankError, FileNotFoundError, OSError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    print(f"bank {bank.root} ({'unchanged' if bank is before or bank.manifest == before.manifest else 'converted'})\n"
+    print(f"bank {bank.root} ({'unchanged' if bank.manifest == before.manifest else 'converted'})\n"
           f"{_storage_lines(bank)}")
     return 0
 

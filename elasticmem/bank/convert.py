@@ -29,7 +29,7 @@ from safetensors.torch import save as st_save
 from elasticmem.bank.append import _checkpoint, _next_index
 from elasticmem.bank.builder import _atomic_write_bytes, _dir_lock, bytes_per_chunk
 from elasticmem.bank.kv_store import (KVFormat, bytes_by_part, cat_rows, encode_rows, read_slots, slot_offsets,
-                                      storage_fields)
+                                      storage_fields, to_window)
 from elasticmem.bank.manifest import BankError
 from elasticmem.bank.store import Bank, shard_name
 
@@ -47,11 +47,7 @@ def _window(get, bank: Bank, fmt: KVFormat, start: int, rows: range) -> tuple[to
         return get("kv")[local].float(), n
     off = slot_offsets(get("kv_len"))
     n = off[local + 1] - off[local]
-    flat = read_slots(get, off, local, n, fmt, bank.n_cache).float()
-    kv = bank.kv
-    out = torch.zeros(len(local), bank.n_cache, kv["layers"], 2, kv["kv_heads"], kv["head_dim"])
-    out[torch.arange(bank.n_cache)[None, :] >= (bank.n_cache - n)[:, None]] = flat
-    return out, n
+    return to_window(read_slots(get, off, local, n, fmt, bank.n_cache).float(), n, bank.n_cache), n
 
 
 def convert_bank(root: str | Path, kv_dtype: str, group_size: int = 32, hidden_cache: bool | None = None) -> Bank:

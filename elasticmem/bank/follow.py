@@ -105,7 +105,7 @@ class RowVectors:
         change = None if self.bank is None else snapshot_change(self.bank, bank)
         if change is None:
             self._buf, self._n = torch.zeros(0, self.dim), 0
-            change = Change([], subtract_segments([(0, bank.num_chunks)], bank.deleted))
+            change = Change([], list(bank.live_segments()))
         for a, b in change.removed:
             self._buf[a:b] = 0
         self._reserve(bank.num_chunks)

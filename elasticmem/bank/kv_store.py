@@ -158,14 +158,26 @@ def encode_rows(window: Tensor, counts: Tensor, fmt: KVFormat) -> dict[str, Tens
         return {"kv": window.to(getattr(torch, fmt.dtype))}
     B, N = window.shape[:2]
     counts = counts.to(window.device)
-    keep = torch.arange(N, device=window.device)[None, :] >= (N - counts)[:, None]  # [B, N]
-    flat = window[keep]  # [S, ...] row by row, each row's slots oldest first
+    flat = window[window_mask(counts, N)]  # [S, ...] row by row, each row's slots oldest first
     out = {KV_LEN: counts.to(torch.int32)}
     if not fmt.bits:
         return {**out, SLOTS: flat.to(getattr(torch, fmt.dtype))}
     chunk = torch.arange(B, device=window.device).repeat_interleave(counts)
     q = quantize_slots(flat, chunk, B, fmt.bits, fmt.group_size)
     return {**out, **{QUANT_TENSORS[k]: t for k, t in q.items()}}
+
+
+def window_mask(counts: Tensor, n_cache: int) -> Tensor:
+    """[B, n_cache] bool: the window places of each row's last ``counts[b]`` slots (right-aligned)."""
+    return torch.arange(n_cache, device=counts.device)[None, :] >= (n_cache - counts)[:, None]
+
+
+def to_window(flat: Tensor, counts: Tensor, n_cache: int) -> Tensor:
+    """Slots row after row ([sum(counts), ...]) as windows [B, n_cache, ...], right-aligned, zeros
+    elsewhere (the inverse of ``encode_rows``' selection); on ``flat``'s device and dtype."""
+    out = flat.new_zeros(counts.numel(), n_cache, *flat.shape[1:])
+    out[window_mask(counts, n_cache).to(out.device)] = flat
+    return out
 
 
 def slot_offsets(kv_len: Tensor) -> Tensor:
@@ -255,4 +267,4 @@ def bytes_by_part(tensors: Mapping[str, Tensor]) -> dict[str, int]:
 
 __all__ = ["FLOAT_DTYPES", "KVFormat", "KV_DTYPES", "KV_LEN", "QUANT_TENSORS", "SLOTS", "bytes_by_part", "cat_rows",
            "content_record", "encode_rows", "read_slots", "slot_offsets", "split_rows", "storage_fields", "storage_of",
-           "tensor_names", "zero_rows"]
+           "tensor_names", "to_window", "window_mask", "zero_rows"]

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from elasticmem.bank.kv_store import KVFormat, read_slots, slot_offsets
+from elasticmem.bank.kv_store import KVFormat, read_slots, slot_offsets, to_window
 from elasticmem.bank.manifest import (
     CHUNKS,
     GROUPS_SHA256,
@@ -486,11 +486,7 @@ class Bank:
         on ``device`` for an integer ``kv.dtype``."""
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         n = self.kv_lengths(rows)
-        flat = self.kv_slots(rows, n, device)
-        out = flat.new_zeros(rows.numel(), self.n_cache, *flat.shape[1:])
-        keep = torch.arange(self.n_cache)[None, :] >= (self.n_cache - n)[:, None]
-        out[keep.to(out.device)] = flat
-        return out
+        return to_window(self.kv_slots(rows, n, device), n, self.n_cache)
 
     def kv_slots(self, rows: torch.Tensor, counts: torch.Tensor,
                  device: torch.device | str | None = None) -> torch.Tensor:
@@ -502,8 +498,9 @@ class Bank:
         rows, counts = rows.reshape(-1).long(), counts.reshape(-1).long()
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_chunks):
             raise IndexError(f"rows out of range [0, {self.num_chunks})")
-        if bool((counts > self.kv_lengths(rows)).any()):
-            raise IndexError(f"more KV slots asked than rows {rows.tolist()} hold ({self.kv_lengths(rows).tolist()})")
+        held = self.kv_lengths(rows)
+        if bool((counts > held).any()):
+            raise IndexError(f"more KV slots asked than rows {rows.tolist()} hold ({held.tolist()})")
         shard_of = torch.from_numpy(np.searchsorted(self._starts, rows.numpy(), side="right") - 1)
         parts, order = [], []
         for i in shard_of.unique().tolist():

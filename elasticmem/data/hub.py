@@ -171,13 +171,13 @@ def _file_table(path: Path) -> Table:
     """A local file through ``load_dataset``: CSV cells as the text they are, anything else as JSON."""
     import datasets
 
+    builder = "csv" if path.suffix.lower() == ".csv" else "json"
     kwargs: dict[str, Any] = {}
-    if path.suffix.lower() == ".csv":
+    if builder == "csv":
         # pandas would type the cells ("007" -> 7, "" -> NaN); the loaders parse the text themselves.
         with path.open(encoding="utf-8", newline="") as f:
             header = next(csv.reader(f), [])
         kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header}), "na_filter": False}
-    builder = "csv" if path.suffix.lower() == ".csv" else "json"
     try:
         ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train", **kwargs)
     except Exception as e:  # datasets wraps parse errors in its own types; the cause says what is wrong
@@ -198,8 +198,7 @@ def _folder_table(folder: Path, spec: str, split: str | None) -> Table:
     except Exception as e:
         how = "a dataset saved with save_to_disk" if saved else "a folder of data files (json, jsonl, csv, parquet)"
         raise DataError(folder, "", None, f"datasets cannot read it as {how} ({_cause(e)})", "not_dataset") from None
-    ds, name = _one_split(obj, spec, split)
-    return Table(spec, ds, {"path": spec, "split": name, "rows": len(ds), "fingerprint": ds._fingerprint})
+    return _split_table(obj, spec, split, {})
 
 
 def _hub_table(hub: HubSpec, split: str | None, spec: str, what: str) -> Table:
@@ -221,27 +220,28 @@ def _hub_table(hub: HubSpec, split: str | None, spec: str, what: str) -> Table:
             raise FileNotFoundError(f"{what} not found: {spec}: no local file or folder of that name, and "
                                     f"{named} cannot be found ({_cause(e)})") from None
         raise DataError(spec, "", None, f"datasets cannot load {named} ({_cause(e)})", "not_dataset") from None
-    ds, name = _one_split(obj, spec, split)
-    return Table(spec, ds, {"path": spec, "hub_id": hub.repo, "revision": hub.revision, "file": hub.file,
-                            "split": name, "rows": len(ds), "fingerprint": ds._fingerprint})
+    return _split_table(obj, spec, split, {"hub_id": hub.repo, "revision": hub.revision, "file": hub.file})
 
 
-def _one_split(obj: Any, spec: str, split: str | None) -> tuple["datasets.Dataset", str]:
-    """The requested split, or the only one; several without a choice is an error listing them."""
+def _split_table(obj: Any, spec: str, split: str | None, origin: dict[str, Any]) -> Table:
+    """The requested split, or the only one, as a Table (its record: ``path``, ``origin``, the split,
+    row count and fingerprint); several splits without a choice is an error listing them."""
     import datasets
 
     if isinstance(obj, datasets.Dataset):
         if split is not None:
             raise ValueError(f"{spec}: the dataset is a single split; drop ':{split}'")
-        return obj, str(obj.split or "")
-    names = list(obj)
-    if split is None and len(names) == 1:
-        split = names[0]
-    if split is None or split not in obj:
-        which = f"has no split {split!r}" if split is not None else "has several splits"
-        raise ValueError(f"{spec}: the dataset {which} ({', '.join(names)}); name one as "
-                         f"{split_suffix(spec)[0]}:SPLIT")
-    return obj[split], split
+        ds, name = obj, str(obj.split or "")
+    else:
+        names = list(obj)
+        if split is None and len(names) == 1:
+            split = names[0]
+        if split is None or split not in obj:
+            which = f"has no split {split!r}" if split is not None else "has several splits"
+            raise ValueError(f"{spec}: the dataset {which} ({', '.join(names)}); name one as "
+                             f"{split_suffix(spec)[0]}:SPLIT")
+        ds, name = obj[split], split
+    return Table(spec, ds, {"path": spec, **origin, "split": name, "rows": len(ds), "fingerprint": ds._fingerprint})
 
 
 def _cause(e: BaseException) -> str:

@@ -64,6 +64,7 @@ from elasticmem.model.memory_content import (chunk_ids, forget_chunk_ids, kv_mem
 from elasticmem.model.projector import Projector
 from elasticmem.model.prompt import encode_prompt
 from elasticmem.model.retrieval import build_mapped_index, check_bank, given_rows, include_rows, recent_rows
+from elasticmem.model.token_counts import per_trajectory
 from elasticmem.model.trajectories import ScoreOutput, Trajectories
 
 
@@ -338,7 +339,7 @@ class ElasticMem(nn.Module):
         texts = texts if texts is not None else [self.encode_texts(ex) for ex in batch]
         prompts, suffixes = [t[0] for t in texts], [t[1] for t in texts]
         a, logp_a, h = self._query_states(prompts, [ex.question for ex in batch], G, greedy)
-        groups = [ex.group for ex in batch for _ in range(G)]
+        groups = per_trajectory([ex.group for ex in batch], G)
         rows, scores, mask = self._retrieve(h, groups)
         return prompts, suffixes, groups, a, logp_a, h, rows, scores, mask
 

@@ -60,7 +60,8 @@ def rollout(model: Steps, batch: Sequence[Example], G: int, temperature: float, 
                 memo[k] = tuple(t[i : i + 1] for t in (a, logp_a, h, rows, scores, mask, budgets, logp_b, ent_b))
     soft, counts = model._soft_tokens(rows, budgets)
     prompt_ids, suffix_ids = per_trajectory(prompts, G), per_trajectory(suffixes, G)
-    layouts = [Layout(p, None if c < 0 else int(c), m, s, []) for p, c, m, s in zip(prompt_ids, a, soft, suffix_ids)]
+    layouts = [Layout(p, None if c < 0 else c, m, s, [])
+               for p, c, m, s in zip(prompt_ids, a.tolist(), soft, suffix_ids)]
     answer_ids, answer_mask, logp_ans = model._generate(model._assemble(layouts), temperature, greedy)
     t3 = time.perf_counter()
     num_tokens, memory_tokens = trajectory_tokens(prompt_ids, suffix_ids, a, counts, len(model.sep_ids), answer_mask)

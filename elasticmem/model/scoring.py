@@ -43,8 +43,9 @@ def reconstruction_targets(rows: Sequence[int], chunk_ids: Callable[[int], list[
 def trajectory_layouts(model: Steps, traj: Trajectories, answers: Sequence[Sequence[int]]) -> list[Layout]:
     """``ElasticMem.trajectory_layouts``: each trajectory's input as recorded, ``answers[i]`` to read."""
     soft, _ = model._soft_tokens(traj.rows, traj.budgets)
-    return [Layout(traj.prompt_ids[i], None if traj.control[i] < 0 else int(traj.control[i]), soft[i],
-                   traj.suffix_ids[i], list(answers[i]))
+    control = traj.control.tolist()
+    return [Layout(traj.prompt_ids[i], None if control[i] < 0 else control[i], soft[i], traj.suffix_ids[i],
+                   list(answers[i]))
             for i in range(len(traj.example_ids))]
 
 

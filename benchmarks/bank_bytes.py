@@ -5,9 +5,12 @@ every KV dtype, next to the hidden-state (projector) variant: the planner of doc
 
 No model is loaded: each shape's per-layer keys and values for one block of chunks are random tensors of
 that shape, stored by the bank's own code (``elasticmem.bank.kv_store.encode_rows``, the int8 / int4
-scheme included), and their bytes counted with ``bytes_by_part``; so the figures are the storage format's,
-not a formula's (quantization's scales and minima included). A chunk of ``--chunk-tokens`` tokens keeps
-``min(tokens - 1, B_max)`` positions (its first, the attention sink, is never stored); its key is 4 B x d.
+scheme included; int4 also with ``bank.kv_key_group=16``, and with int8 keys, ``bank.kv_key_dtype=int8``),
+and their bytes counted with ``bytes_by_part``; so the figures are the storage format's, not a formula's
+(quantization's scales and minima included). A chunk of ``--chunk-tokens`` tokens keeps
+``min(tokens - 1, B_max)`` positions (its first, the attention sink, is never stored), in a bank whose
+chunks keep at most ``B_max`` (its ``kv.slots``: key runs are counted over those, filled or not); its key
+is 4 B x d.
 The hidden-state variant stores ``n_cache`` float16 states of width d (``memory.content=hidden``). The
 SmolLM2 row can be checked against a measured bank: ``build.bytes_per_chunk`` in its manifest.
 """
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import write_json  # noqa: E402
 
 from elasticmem.bank.kv_store import KV_DTYPES, KVFormat, bytes_by_part, encode_rows  # noqa: E402
+from elasticmem.config import KVScheme  # noqa: E402
 
 SHAPES = {  # hidden width d, layers, KV heads, head width (the models' config.json)
     "SmolLM2-135M": (576, 30, 3, 64),
@@ -33,15 +37,20 @@ SHAPES = {  # hidden width d, layers, KV heads, head width (the models' config.j
     "Qwen2.5-7B": (3584, 28, 4, 128),
 }
 DTYPES = [d for d in KV_DTYPES if d != "bfloat16"]  # bfloat16 stores as many bytes as float16
+SCHEMES = {**{d: KVScheme(d) for d in DTYPES},
+           "int4, kv_key_group 16": KVScheme("int4", key_group=16),
+           "int4 values, int8 keys": KVScheme("int4", key_dtype="int8")}  # K8V4: int4's most accurate
+"""The storages of the planner's rows, by their label."""
 
 
-def kv_bytes_per_chunk(layers: int, heads: int, head_dim: int, dtype: str, slots: int, group_size: int = 32,
+def kv_bytes_per_chunk(layers: int, heads: int, head_dim: int, scheme: KVScheme, slots: int, cap: int | None = None,
                        rows: int = 8) -> float:
-    """Bytes of per-layer KV one chunk of ``slots`` stored positions takes, by the bank's storage code."""
+    """Bytes of per-layer KV one chunk of ``slots`` stored positions takes in a bank whose chunks keep at
+    most ``cap`` (default ``slots``; a chunk's key runs are counted over ``cap``), by the bank's storage code."""
+    cap = cap or slots
     gen = torch.Generator().manual_seed(0)
-    window = torch.randn(rows, slots, layers, 2, heads, head_dim, generator=gen)
-    fmt = KVFormat(dtype, slots, "ragged", group_size if dtype in ("int8", "int4") else 0)
-    tensors = encode_rows(window, torch.full((rows,), slots), fmt)
+    window = torch.randn(rows, cap, layers, 2, heads, head_dim, generator=gen)
+    tensors = encode_rows(window, torch.full((rows,), slots), KVFormat(scheme, cap))
     return bytes_by_part(tensors)["kv"] / rows
 
 
@@ -55,9 +64,9 @@ def plan(chunk_tokens: int, max_budget: int, n_cache_hidden: int) -> list[dict]:
         hidden = key + 2 * n_cache_hidden * d
         out.append({"model": name, "storage": f"hidden states (n_cache {n_cache_hidden}, float16)",
                     "bytes_per_chunk": hidden, "gb_per_m_tokens": hidden * chunks_per_m / 1e9})
-        for dt in DTYPES:
-            b = key + kv_bytes_per_chunk(layers, heads, hd, dt, slots)
-            out.append({"model": name, "storage": f"per-layer KV, {dt}", "bytes_per_chunk": b,
+        for label, scheme in SCHEMES.items():
+            b = key + kv_bytes_per_chunk(layers, heads, hd, scheme, slots, max_budget)
+            out.append({"model": name, "storage": f"per-layer KV, {label}", "bytes_per_chunk": b,
                         "gb_per_m_tokens": b * chunks_per_m / 1e9})
     return out
 
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = plan(args.chunk_tokens, args.max_budget, args.n_cache_hidden)
     for r in rows:
-        print(f"{r['model']:14s} {r['storage']:34s} {r['bytes_per_chunk'] / 1e6:8.3f} MB a chunk "
+        print(f"{r['model']:14s} {r['storage']:36s} {r['bytes_per_chunk'] / 1e6:8.3f} MB a chunk "
               f"{r['gb_per_m_tokens']:8.1f} GB per 1M tokens")
     if args.out:
         kept = min(args.chunk_tokens - 1, args.max_budget)

@@ -230,7 +230,8 @@ def build_system(cfg: Config, overrides: Sequence[str] = (), device=None, stream
         bank = Bank.open(bank_dir, expect_fingerprint=backbone.fingerprint)
     mem = memory_config(cfg, overrides)
     if mem.reads_kv and bank.num_chunks:
-        bank.require_kv_dtype(cfg.bank.kv_dtype)  # an int4 bank is not read as float16 (or the reverse) silently
+        # an int4 bank is not read as float16 (or the reverse), nor one scheme's keys as another's, silently
+        bank.require_kv(cfg.bank.kv_scheme())
     key_index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if cfg.eval.system == "memgen":
         from elasticmem.baselines.memgen import MemGen, saved_memgen_config

@@ -13,6 +13,16 @@
 
 ``checkpoint=``, ``split=``, ``system=`` and ``limit=`` are short for ``eval.checkpoint=`` etc.;
 ``--limit N`` is ``eval.limit=N`` too.
+
+A checkpoint on another data set (frozen transfer, docs/locomo.md): the model keeps the memory
+settings it was trained with (``elasticmem_config.json``: content, retrieval, the policy and its
+``max_budget``), so the target preset's ``memory.*`` keys do not apply; give the target's data and
+bank (built with the same backbone, ``bank.n_cache`` >= the checkpoint's ``max_budget``), its
+learned map if the checkpoint's retrieval uses one, and any reading setting the target needs on
+the command line, e.g. the persona_shift checkpoint on LoCoMo:
+
+    python evaluate.py --config configs/locomo_mc10.yaml checkpoint=RUN/final \\
+        memory.retrieval_map=OUT/map.safetensors memory.top_z=4 memory.max_new_tokens=80 eval.budgets=top1
 The output folder (eval.output_dir, one subfolder per variant) gets results.json,
 predictions.jsonl, report.md, case_study.md and, for ElasticMem, the budget plots;
 with variants also comparison.md and accuracy_vs_tokens.png, and seeds.md (mean and

@@ -43,7 +43,7 @@ from elasticmem.bank.kv_store import (KVFormat, bytes_by_part, cat_rows, content
                                       storage_fields, storage_of)
 from elasticmem.bank.manifest import CHUNKS, FORMAT_VERSION, GROUPS_SHA256, MANIFEST, BankError
 from elasticmem.bank.store import Bank, shard_name
-from elasticmem.config import BankConfig, ChunkingConfig, MemoryConfig
+from elasticmem.config import BankConfig, ChunkingConfig, KVScheme, MemoryConfig
 from elasticmem.data.chunking import Chunk, chunk_history, chunks_fingerprint, history_fingerprint, tokenize_chunks
 from elasticmem.data.schema import Example, SchemaError
 from elasticmem.utils.configuration import ConfigError
@@ -149,7 +149,7 @@ def make_plan(
         header["content_layer"] = int(bank_cfg.content_layer)
         h.update(json.dumps({"content_layer": header["content_layer"]}).encode())
     if kv is not None and kv_format is None:  # the layout of banks built before storage_of
-        kv_format = KVFormat(bank_cfg.kv_dtype, bank_cfg.n_cache, "padded")
+        kv_format = KVFormat(KVScheme(bank_cfg.kv_dtype), bank_cfg.n_cache, "padded")
     storage = storage_fields(hidden_cache, kv_format if kv is not None else None, kv)
     if "kv" in storage:  # absent = hidden states only, as in banks built before
         # how the states are stored (layout, integer codes) is not hashed: a plan is what is encoded
@@ -205,7 +205,7 @@ def encode_shard(
     if kv_format is None and kv_dtype is not None:
         if not kv_dtype.is_floating_point:
             raise ValueError(f"kv_dtype {kv_dtype} is not a float dtype: pass the bank's kv_format for integer codes")
-        kv_format = KVFormat(str(kv_dtype).removeprefix("torch."), n_cache, "padded")
+        kv_format = KVFormat(KVScheme(str(kv_dtype).removeprefix("torch.")), n_cache, "padded")
     n = len(token_ids)
     d = decoder.config.hidden_size
     keys = torch.empty(n, d, dtype=torch.float32)
@@ -222,7 +222,7 @@ def encode_shard(
             c = c.to(cache_dtype)
             checks = [("cache", c, cache_dtype)]
             if rest:  # integer codes quantize the float16 states (elasticmem.bank.quant)
-                kv_cast = torch.float16 if kv_format.bits else getattr(torch, kv_format.dtype)
+                kv_cast = torch.float16 if kv_format.scheme.quantized else getattr(torch, kv_format.dtype)
                 checks.append(("kv", rest[0].to(kv_cast), kv_cast))
             for name, x, dtype in checks:
                 if not torch.isfinite(x).all():
@@ -320,7 +320,7 @@ def _check_storage(out: Path, manifest: dict[str, Any], header: dict[str, Any]) 
     if want and not had:
         raise BankError(f"{out} holds this bank without the hidden-state cache, which bank.hidden_cache asks for: "
                         f"set bank.overwrite=true to rebuild it")
-    if old and new and (old.dtype, old.group_size) != (new.dtype, new.group_size):
+    if old and new and old.scheme != new.scheme:
         raise BankError(f"{out} holds this bank with per-layer KV stored as {old.describe()}, but the config asks "
                         f"for {new.describe()}: convert it (build_bank.py --config ... --convert) or set "
                         f"bank.overwrite=true to rebuild it")

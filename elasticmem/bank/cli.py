@@ -19,10 +19,11 @@ conversations are added and the rest is left as it is; readers of the bank keep 
 crash leaves the bank as it was. The bank's own tokenization, keys and cache settings are used.
 
 ``--convert`` stores the bank at bank.dir as this config would build it, without encoding: its
-per-layer keys and values at bank.kv_dtype (a float16 bank becomes int8 / int4, a bank built
-before the ragged layout loses its padding) and, when bank.hidden_cache resolves to false for the
-config's reader, without the hidden-state cache (``elasticmem.bank.convert``; atomic: a crash
-leaves the old bank readable).
+per-layer keys and values as bank.kv_dtype, bank.kv_key_dtype, bank.kv_key_group and
+bank.kv_group_size say (``BankConfig.kv_scheme()``: a float16 bank becomes int8 / int4, with key
+ranges per chunk or per run of positions, keys maybe at int8 over int4 values; a bank built before
+the ragged layout loses its padding) and, when bank.hidden_cache resolves to false for the config's reader, without
+the hidden-state cache (``elasticmem.bank.convert``; atomic: a crash leaves the old bank readable).
 
 (``build_bank.py`` at the repository root and the ``elasticmem-build-bank`` console script call
 ``main``; ``accelerate launch`` takes the root script, as it needs a file.)
@@ -46,7 +47,8 @@ class BuildOptions:
     """Add the data's new chunks to the bank at bank.dir instead of building it."""
     convert: bool = False
     """Re-store the built bank at bank.dir as this config would build it (bank.kv_dtype,
-    bank.kv_group_size, bank.hidden_cache), without encoding anything."""
+    bank.kv_key_dtype, bank.kv_key_group, bank.kv_group_size, bank.hidden_cache), without encoding
+    anything."""
 
 
 OPTIONS = Options("build", BuildOptions)
@@ -135,7 +137,7 @@ def _convert(cfg, prog: str) -> int:
         if fmt is None:
             raise ConfigError("--convert re-stores per-layer keys and values: set bank.kv_cache=true")
         before = Bank.open(cfg.bank.dir)
-        bank = convert_bank(cfg.bank.dir, fmt.dtype, cfg.bank.kv_group_size, hidden_cache=hidden)
+        bank = convert_bank(cfg.bank.dir, fmt.scheme, hidden_cache=hidden)
         save(cfg, bank.root / "config.yaml")
     except (ConfigError, BankError, FileNotFoundError, OSError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """Convert a built bank's per-layer keys and values to another storage (``build_bank.py --convert``).
 
-A float16 bank becomes an int8 or int4 one (``elasticmem.bank.quant``), a padded one (built before
-issue 55) ragged (``elasticmem.bank.kv_store``), and the hidden-state cache can be dropped, all
-without encoding anything: each shard's stored states are re-laid out by the function a build
+A float16 bank becomes an int8 or int4 one (``elasticmem.bank.quant``, any ``KVScheme``: keys'
+ranges per chunk or per run of ``bank.kv_key_group`` positions, keys at their own width with
+``bank.kv_key_dtype``), a padded one (built before issue 55) ragged
+(``elasticmem.bank.kv_store``), and the hidden-state cache can be dropped, all without encoding
+anything: each shard's stored states are re-laid out by the function a build
 uses (``kv_store.encode_rows``), so a converted float16 bank holds the bytes a build at the new
 dtype writes. Converting from int8 / int4 dequantizes first: what the first quantization lost
 stays lost.
@@ -32,6 +34,7 @@ from elasticmem.bank.kv_store import (KVFormat, bytes_by_part, cat_rows, encode_
                                       storage_fields, to_window)
 from elasticmem.bank.manifest import BankError
 from elasticmem.bank.store import Bank, shard_name
+from elasticmem.config import KVScheme
 
 ROWS_AT_ONCE = 64
 """Rows whose states are held as float32 windows at once (SmolLM2, n_cache 64: 190 MB)."""
@@ -50,11 +53,12 @@ def _window(get, bank: Bank, fmt: KVFormat, start: int, rows: range) -> tuple[to
     return to_window(read_slots(get, off, local, n, fmt, bank.n_cache).float(), n, bank.n_cache), n
 
 
-def convert_bank(root: str | Path, kv_dtype: str, group_size: int = 32, hidden_cache: bool | None = None) -> Bank:
-    """Store the bank in ``root`` with per-layer KV at ``kv_dtype`` (int8 / int4: values in groups
-    of ``group_size``) in the ragged layout, and without the hidden-state cache when
-    ``hidden_cache`` is False (None or True: kept as it is; a missing one cannot be added without
-    encoding). Returns the converted bank (the same one when nothing changes)."""
+def convert_bank(root: str | Path, scheme: KVScheme, hidden_cache: bool | None = None) -> Bank:
+    """Store the bank in ``root`` with per-layer KV as ``scheme`` says (``BankConfig.kv_scheme()``:
+    its dtype, the keys' width and ranges, the value groups) in the ragged layout, and without the
+    hidden-state cache when ``hidden_cache`` is False (None or True: kept as it is; a missing one
+    cannot be added without encoding). Returns the converted bank (the same one when nothing
+    changes)."""
     root = Path(root)
     with _dir_lock(root):
         bank = Bank.open(root)
@@ -64,7 +68,7 @@ def convert_bank(root: str | Path, kv_dtype: str, group_size: int = 32, hidden_c
         if hidden_cache and not bank.hidden_cache:
             raise BankError(f"bank {root} holds no hidden-state cache; it cannot be added without encoding the "
                             f"chunks again: rebuild the bank with bank.hidden_cache=true")
-        new = KVFormat(kv_dtype, old.slots, "ragged", group_size if kv_dtype in ("int8", "int4") else 0)
+        new = KVFormat(scheme, old.slots, "ragged")
         keep_hidden = bank.hidden_cache and hidden_cache is not False
         if new == old and keep_hidden == bank.hidden_cache:
             return bank

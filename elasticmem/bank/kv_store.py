@@ -9,9 +9,17 @@ Two layouts, named by the manifest's ``kv.layout``:
   ``kv_len`` [rows] int32 counts each row's slots, and every tensor whose name starts with
   ``kv_slots`` has one entry per slot (the row's slots oldest first, rows in order). Float dtypes
   store ``kv_slots`` [S, layers, 2, H_kv, hd]; ``int8`` / ``int4`` (``elasticmem.bank.quant``)
-  store ``kv_slots_codes`` [S, layers, 2, H_kv, hd * bits / 8] uint8, the values' per-group
-  ``kv_slots_vscale`` / ``kv_slots_vmin`` [S, layers, H_kv, hd / group_size] float16, and the keys'
-  per-chunk ``kv_kscale`` / ``kv_kmin`` [rows, layers, H_kv, hd] float16.
+  store ``kv_slots_codes`` [S, layers, 2, H_kv, hd * bits / 8] uint8 (keys, values), or, with
+  ``kv.key_dtype`` (``bank.kv_key_dtype``: keys at another width than the values),
+  ``kv_slots_kcodes`` / ``kv_slots_vcodes`` [S, layers, H_kv, hd * bits / 8] each at its own width
+  (two tensors, as one cannot hold two widths; every bank without the field keeps the one), the
+  values' per-group ``kv_slots_vscale`` / ``kv_slots_vmin`` [S, layers, H_kv, hd / group_size]
+  float16, and the keys' ranges ``kv_kscale`` / ``kv_kmin``: per chunk [rows, layers, H_kv, hd]
+  float16, or, with ``kv.key_group`` (``bank.kv_key_group``) G, per run of G slots from the row's
+  oldest [rows, ceil(kv.slots / G), layers, H_kv, hd] float16 (zeros for the runs past a row's last
+  slot).
+  The runs are kept per row, not per slot, so a row's ranges stay one entry of the row: a short
+  chunk pays for the runs it does not fill (a 39-slot chunk at G = 16, kv.slots 64: one of 4).
 
 Every other tensor has one entry per row. So a shard's tensors concatenate with another's by
 ``torch.cat`` name by name (``cat_rows``), and rows are zeroed through ``zero_rows``, which finds a
@@ -32,8 +40,8 @@ import torch
 from torch import Tensor
 
 from elasticmem.bank.manifest import KV_FORMAT_VERSION, BankError
-from elasticmem.bank.quant import BITS, SCHEME, dequantize_slots, quantize_slots
-from elasticmem.config import BankConfig, MemoryConfig
+from elasticmem.bank.quant import BITS, SCHEME, dequantize_slots, key_range_of, key_ranges, quantize_slots
+from elasticmem.config import BankConfig, KVScheme, MemoryConfig
 from elasticmem.utils.configuration import ConfigError
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -43,55 +51,77 @@ SLOTS = "kv_slots"
 KV_LEN = "kv_len"
 QUANT_TENSORS = {"codes": f"{SLOTS}_codes", "v_scale": f"{SLOTS}_vscale", "v_min": f"{SLOTS}_vmin",
                  "k_scale": "kv_kscale", "k_min": "kv_kmin"}
-"""``quantize_slots``' outputs -> the shard tensors holding them (int8 / int4)."""
+"""The shard tensors of an integer scheme whose keys and values share a width (``codes``: both)."""
+SPLIT_CODES = {"k_codes": f"{SLOTS}_kcodes", "v_codes": f"{SLOTS}_vcodes"}
+"""The codes' tensors of a scheme whose keys have their own width (``bank.kv_key_dtype``)."""
+
+
+def quant_tensors(scheme: KVScheme) -> dict[str, str]:
+    """An integer scheme's stored parts -> the shard tensors holding them (module docstring)."""
+    if scheme.key_bits == scheme.value_bits:
+        return QUANT_TENSORS
+    return {**SPLIT_CODES, **{k: n for k, n in QUANT_TENSORS.items() if k != "codes"}}
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """How a bank stores its per-layer keys and values (the manifest's ``kv`` record, less the
-    model's shape)."""
+    model's shape): the scheme of its codes and where its slots lie."""
 
-    dtype: str
-    """One of ``KV_DTYPES``."""
+    scheme: KVScheme
+    """dtype, keys' width and ranges, value groups (``elasticmem.config.KVScheme``)."""
     slots: int
     """The most slots a chunk keeps (``n_cache`` in a padded bank)."""
     layout: str = "ragged"
     """'ragged' or 'padded' (module docstring)."""
-    group_size: int = 0
-    """Value channels per scale (int8 / int4 only)."""
 
     @classmethod
     def of(cls, manifest: Mapping[str, Any]) -> "KVFormat | None":
-        """The format of a bank's manifest (None: no per-layer KV)."""
+        """The format of a bank's manifest (None: no per-layer KV). The fields added after a
+        bank was built read as their defaults (absent ``key_group``: 0, ``key_dtype``: 'same')."""
         kv = manifest.get("kv")
         if kv is None:
             return None
         if kv["dtype"] not in KV_DTYPES:
             raise BankError(f"per-layer KV dtype {kv['dtype']!r} unknown to this version (one of {KV_DTYPES})")
-        return cls(kv["dtype"], int(kv.get("slots", manifest["n_cache"])), kv.get("layout", "padded"),
-                   int(kv.get("group_size", 0)))
+        try:
+            scheme = KVScheme(kv["dtype"], kv.get("key_dtype", "same"), int(kv.get("key_group", 0)),
+                              int(kv.get("group_size", 0)))
+        except ValueError as e:
+            raise BankError(f"per-layer KV record {dict(kv)} unknown to this version: {e}") from None
+        return cls(scheme, int(kv.get("slots", manifest["n_cache"])), kv.get("layout", "padded"))
 
     @property
-    def bits(self) -> int | None:
-        """Code width of an integer dtype, None for a float one."""
-        return BITS.get(self.dtype)
+    def dtype(self) -> str:
+        """The scheme's dtype (one of ``KV_DTYPES``)."""
+        return self.scheme.dtype
+
+    @property
+    def key_ranges(self) -> int:
+        """Key ranges a row of an integer format keeps (``elasticmem.bank.quant.key_ranges``)."""
+        return key_ranges(self.slots, self.scheme.key_group)
 
     def record(self, spec: Mapping[str, int]) -> dict[str, Any]:
         """The manifest's ``kv`` record: ``kv_spec`` of the model plus this format."""
-        rec: dict[str, Any] = {**spec, "dtype": self.dtype}
+        s = self.scheme
+        rec: dict[str, Any] = {**spec, "dtype": s.dtype}
         if self.layout == "padded":
             return rec  # as banks were written before the other fields existed
         rec.update(layout=self.layout, slots=self.slots)
-        if self.bits:
-            rec.update(scheme=SCHEME, group_size=self.group_size)
+        if s.quantized:
+            rec.update(scheme=SCHEME, group_size=s.group_size)
+        # absent = the default: the records of banks built before these fields stay as they were
+        if s.key_group:
+            rec["key_group"] = s.key_group
+        if s.key_dtype != "same":
+            rec["key_dtype"] = s.key_dtype
         return rec
 
     def describe(self) -> str:
-        """E.g. 'int4 (keys per channel over each chunk, values per token in groups of 32; ragged, <= 64
-        slots)': what error messages and the build's summary say."""
-        how = (f"keys per channel over each chunk, values per token in groups of {self.group_size}; "
-               if self.bits else "")
-        return f"{self.dtype} ({how}{self.layout}, <= {self.slots} slots)"
+        """E.g. 'int4 (keys int8 per channel over each chunk, values per token in groups of 32;
+        ragged, <= 64 slots)': what error messages and the build's summary say."""
+        how = self.scheme.how()
+        return f"{self.dtype} ({how + '; ' if how else ''}{self.layout}, <= {self.slots} slots)"
 
 
 def storage_of(bank_cfg: BankConfig, memory: MemoryConfig | None = None) -> tuple[bool, KVFormat | None]:
@@ -112,8 +142,7 @@ def storage_of(bank_cfg: BankConfig, memory: MemoryConfig | None = None) -> tupl
     if not bank_cfg.kv_cache:
         return hidden, None
     slots = bank_cfg.n_cache if memory is None else min(bank_cfg.n_cache, int(memory.policy.max_budget))
-    quantized = bank_cfg.kv_dtype in ("int8", "int4")
-    return hidden, KVFormat(bank_cfg.kv_dtype, max(1, slots), "ragged", bank_cfg.kv_group_size if quantized else 0)
+    return hidden, KVFormat(bank_cfg.kv_scheme(), max(1, slots), "ragged")
 
 
 def storage_fields(hidden_cache: bool, fmt: KVFormat | None, spec: Mapping[str, int] | None) -> dict[str, Any]:
@@ -122,8 +151,9 @@ def storage_fields(hidden_cache: bool, fmt: KVFormat | None, spec: Mapping[str, 
     ``format_version`` a reader needs for them (absent: the version of banks built before)."""
     out: dict[str, Any] = {}
     if fmt is not None:
-        if fmt.bits and spec["head_dim"] % fmt.group_size:
-            raise ValueError(f"bank.kv_group_size {fmt.group_size} does not divide the head width {spec['head_dim']}")
+        g = fmt.scheme.group_size
+        if fmt.scheme.quantized and spec["head_dim"] % g:
+            raise ValueError(f"bank.kv_group_size {g} does not divide the head width {spec['head_dim']}")
         out["kv"] = fmt.record(spec)
     if not hidden_cache:
         out["hidden_cache"] = False
@@ -160,11 +190,21 @@ def encode_rows(window: Tensor, counts: Tensor, fmt: KVFormat) -> dict[str, Tens
     counts = counts.to(window.device)
     flat = window[window_mask(counts, N)]  # [S, ...] row by row, each row's slots oldest first
     out = {KV_LEN: counts.to(torch.int32)}
-    if not fmt.bits:
+    s = fmt.scheme
+    if not s.quantized:
         return {**out, SLOTS: flat.to(getattr(torch, fmt.dtype))}
+    if bool((counts > fmt.slots).any()):  # a row's key runs would spill into the next row's
+        raise ValueError(f"more slots than the format's {fmt.slots} a row: {counts.tolist()}")
     chunk = torch.arange(B, device=window.device).repeat_interleave(counts)
-    q = quantize_slots(flat, chunk, B, fmt.bits, fmt.group_size)
-    return {**out, **{QUANT_TENSORS[k]: t for k, t in q.items()}}
+    place = torch.arange(chunk.numel(), device=window.device) - (counts.cumsum(0) - counts)[chunk]
+    n = fmt.key_ranges
+    q = quantize_slots(flat, chunk * n + key_range_of(place, s.key_group), B * n, s)
+    if s.key_group:  # [B, n, ...]: each row's runs stay one entry of the row (module docstring)
+        q.update({k: q[k].unflatten(0, (B, n)) for k in ("k_scale", "k_min")})
+    if s.key_bits == s.value_bits:  # one codes tensor, keys then values, as KIVI banks store it
+        q = {"codes": torch.stack([q.pop("k_codes"), q.pop("v_codes")], 2), **q}
+    names = quant_tensors(s)
+    return {**out, **{names[k]: t for k, t in q.items()}}
 
 
 def window_mask(counts: Tensor, n_cache: int) -> Tensor:
@@ -231,17 +271,21 @@ def read_slots(get: Callable[[str], Tensor], offsets: Tensor | None, rows: Tenso
     if fmt.layout == "padded":
         kv = get("kv")
         return torch.cat([kv[r, n_cache - c:] for r, c in zip(rows.tolist(), counts.tolist())]).to(device)
-    ends = offsets[rows + 1]
-    first = torch.repeat_interleave(ends - counts, counts)
-    idx = first + torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    if not fmt.bits:
+    which = torch.arange(rows.numel()).repeat_interleave(counts)  # the read row of each slot
+    local = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[which]  # 0.. within each row read
+    place = (offsets[rows + 1] - offsets[rows] - counts)[which] + local  # among the row's stored slots, 0 = oldest
+    idx = offsets[rows][which] + place
+    s = fmt.scheme
+    if not s.quantized:
         return get(SLOTS).index_select(0, idx).to(device)
-    # only the codes and scales asked for move to the device; the keys' ranges per chunk are
+    # only the codes and scales asked for move to the device; the read rows' key ranges are
     # repeated per slot there
-    q = {k: get(name).index_select(0, idx).to(device) if name.startswith(SLOTS)
-         else get(name)[rows].to(device).repeat_interleave(counts.to(device), 0)
-         for k, name in QUANT_TENSORS.items()}
-    return dequantize_slots(q["codes"], q["v_scale"], q["v_min"], q["k_scale"], q["k_min"], fmt.bits, fmt.group_size)
+    at = (which.to(device), key_range_of(place, s.key_group).to(device)) if s.key_group else which.to(device)
+    q = {k: get(name).index_select(0, idx).to(device) if name.startswith(SLOTS) else get(name)[rows].to(device)[at]
+         for k, name in quant_tensors(s).items()}
+    if "codes" in q:
+        q["k_codes"], q["v_codes"] = q.pop("codes").unbind(2)
+    return dequantize_slots(q, s)
 
 
 def tensor_names(manifest: Mapping[str, Any]) -> list[str]:
@@ -252,7 +296,7 @@ def tensor_names(manifest: Mapping[str, Any]) -> list[str]:
         return names
     if fmt.layout == "padded":
         return [*names, "kv"]
-    return [*names, KV_LEN, *(QUANT_TENSORS.values() if fmt.bits else [SLOTS])]
+    return [*names, KV_LEN, *(quant_tensors(fmt.scheme).values() if fmt.scheme.quantized else [SLOTS])]
 
 
 def bytes_by_part(tensors: Mapping[str, Tensor]) -> dict[str, int]:
@@ -265,6 +309,6 @@ def bytes_by_part(tensors: Mapping[str, Tensor]) -> dict[str, int]:
     return out
 
 
-__all__ = ["FLOAT_DTYPES", "KVFormat", "KV_DTYPES", "KV_LEN", "QUANT_TENSORS", "SLOTS", "bytes_by_part", "cat_rows",
-           "content_record", "encode_rows", "read_slots", "slot_offsets", "split_rows", "storage_fields", "storage_of",
-           "tensor_names", "to_window", "window_mask", "zero_rows"]
+__all__ = ["FLOAT_DTYPES", "KVFormat", "KV_DTYPES", "KV_LEN", "QUANT_TENSORS", "SLOTS", "SPLIT_CODES", "bytes_by_part",
+           "cat_rows", "content_record", "encode_rows", "quant_tensors", "read_slots", "slot_offsets", "split_rows",
+           "storage_fields", "storage_of", "tensor_names", "to_window", "window_mask", "zero_rows"]

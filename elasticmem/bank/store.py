@@ -64,6 +64,7 @@ from elasticmem.bank.manifest import (
     parse_segments,
     read_journal,
 )
+from elasticmem.config import KVScheme
 from elasticmem.utils.common import sha256_file
 
 def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -180,11 +181,12 @@ class Bank:
 
     @classmethod
     def open(cls, root: str | Path, expect_fingerprint: str | None = None, verify: bool = False,
-             like: "Bank | None" = None, expect_kv_dtype: str | None = None) -> "Bank":
+             like: "Bank | None" = None, expect_kv: KVScheme | None = None) -> "Bank":
         """The bank in ``root``: ``manifest.json`` with its journal's records applied. ``like``: an
         older snapshot of this bank whose chunk records are reused when this one extends it.
-        ``expect_kv_dtype``: the ``bank.kv_dtype`` the caller reads with; a bank whose per-layer KV
-        is stored at another is refused (``require_kv_dtype``)."""
+        ``expect_kv``: the ``bank.kv_scheme()`` the caller reads per-layer KV with
+        (``Config.kv_scheme_read``; None: not checked); a bank stored otherwise is refused
+        (``require_kv``)."""
         root = Path(root)
         mpath = root / MANIFEST
         for _ in range(100):  # a compaction may replace the manifest between our reads of it and its journal
@@ -230,8 +232,8 @@ class Bank:
                     f"truncated or was replaced; rebuild the bank"
                 )
         bank = cls(root, manifest)
-        if expect_kv_dtype is not None:
-            bank.require_kv_dtype(expect_kv_dtype)
+        if expect_kv is not None:
+            bank.require_kv(expect_kv)
         bank._stamp, bank._journal_offset, bank._journal_records = stamp, offset, len(records)
         if like is not None and bank.extends(like):
             bank._store = like._store
@@ -464,13 +466,21 @@ class Bank:
         field ``hidden_cache`` existed all do; ``cache_len`` is always there)."""
         return bool(self.manifest.get("hidden_cache", True))
 
-    def require_kv_dtype(self, dtype: str) -> None:
-        """Refuse to read this bank's per-layer KV as ``dtype`` when it is stored at another."""
+    def require_kv(self, scheme: KVScheme) -> None:
+        """Refuse to read this bank's per-layer KV as ``scheme`` (a reader's ``bank.kv_scheme()``)
+        when it is stored otherwise (``KVScheme.held``: the dtype, the keys' width and their
+        ranges): a reader trained on one scheme's states is not fed another's silently. The error
+        names the settings that differ, both ways."""
         fmt = self._kv_or_raise()
-        if fmt.dtype != dtype:
+        stored, asked = fmt.scheme.held(), scheme.held()
+        differ = [k for k in asked if asked[k] != stored[k]]
+        if differ:
+            read = " ".join(f"{k}={stored[k]}" for k in differ)
+            convert = " ".join(f"{k}={asked[k]}" for k in differ)
             raise BankError(f"bank {self.root} stores its per-layer keys and values as {fmt.describe()}, but "
-                            f"{dtype} was asked (bank.kv_dtype): set bank.kv_dtype={fmt.dtype} to read it, or "
-                            f"convert it (build_bank.py --config ... bank.kv_dtype={dtype} --convert)")
+                            f"{scheme.describe()} was asked: set {read} to read it, or convert it (build_bank.py "
+                            f"--config ... {convert} --convert; from a float16 bank, as what a quantization lost "
+                            f"stays lost)")
 
     def _kv_or_raise(self) -> KVFormat:
         if self.kv_format is None:
@@ -521,7 +531,7 @@ class Bank:
 
     def _kv_empty(self, device) -> torch.Tensor:
         fmt, kv = self.kv_format, self.kv
-        dtype = torch.float16 if fmt.bits else getattr(torch, fmt.dtype)
+        dtype = torch.float16 if fmt.scheme.quantized else getattr(torch, fmt.dtype)
         return torch.zeros(0, kv["layers"], 2, kv["kv_heads"], kv["head_dim"], dtype=dtype, device=device)
 
     def kv_lengths(self, rows: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
@@ -550,7 +560,8 @@ class Bank:
     @property
     def kv(self) -> dict[str, Any] | None:
         """The manifest's ``kv`` record ({layers, kv_heads, head_dim, dtype}, and layout, slots,
-        scheme, group_size for banks of ``elasticmem.bank.kv_store``'s ragged layout) of a bank built
+        scheme, group_size, key_group, key_dtype for banks of ``elasticmem.bank.kv_store``'s ragged
+        layout; ``KVFormat.of`` reads it) of a bank built
         with ``bank.kv_cache``; None for a bank of hidden states only."""
         return self.manifest.get("kv")
 

@@ -40,6 +40,8 @@ from elasticmem.config.data import (
     ChunkingConfig,
     DataConfig,
     IndexConfig,
+    KV_INT_BITS,
+    KVScheme,
     SyntheticConfig,
     synthetic_fact_types,
 )
@@ -77,12 +79,12 @@ ConfigError = configuration.ConfigError
 __all__ = [
     "ADVANTAGE_SCALES", "AMEM_ABLATIONS", "BUDGET_VARIANTS", "ENCODER_BUDGET_VARIANTS", "LEARNED_BUDGET_VARIANTS",
     "LOSS_TYPES", "PROJECTOR_VARIANTS", "SPLITS", "SYNTHETIC_CATEGORIES", "SYNTHETIC_FILLER", "SYNTHETIC_PERSON_NAMES",
-    "SYNTHETIC_QUESTION_TYPES", "SYNTHETIC_RELATIONS", "SYNTHETIC_TINY_KEYS", "SYNTHETIC_VALUE_POOL",
+    "SYNTHETIC_QUESTION_TYPES", "SYNTHETIC_RELATIONS", "SYNTHETIC_TINY_KEYS", "SYNTHETIC_VALUE_POOL", "KV_INT_BITS",
     "AMemConfig", "AMemLLMConfig", "AdvantageScale", "AgentConfig", "BackboneConfig", "BankConfig",
     "BudgetPolicyConfig", "BudgetVariant", "ChunkingConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
-    "IndexConfig", "LoraConfig", "LossConfig", "LossType", "MemGenConfig", "MemoryConfig", "ProjectorConfig",
-    "ProjectorVariant", "SyntheticConfig", "TextMemoryConfig", "TinyModelConfig", "TrainConfig", "WarmupConfig",
-    "load_config", "synthetic_fact_types",
+    "IndexConfig", "KVScheme", "LoraConfig", "LossConfig", "LossType", "MemGenConfig", "MemoryConfig",
+    "ProjectorConfig", "ProjectorVariant", "SyntheticConfig", "TextMemoryConfig", "TinyModelConfig", "TrainConfig",
+    "WarmupConfig", "load_config", "synthetic_fact_types",
 ]
 
 
@@ -126,10 +128,11 @@ class Config:
             self.train = dataclasses.replace(self.train, use_memory=True)
 
     @property
-    def kv_dtype_read(self) -> str | None:
-        """The ``bank.kv_dtype`` the reasoner reads its memories' keys and values at
-        (memory.content=kv), else None: what ``Bank.open(expect_kv_dtype=...)`` holds a bank to."""
-        return self.bank.kv_dtype if self.memory.reads_kv else None
+    def kv_scheme_read(self) -> KVScheme | None:
+        """The ``bank.kv_scheme()`` the reasoner reads its memories' keys and values with
+        (``memory.reads_kv``), else None: what ``Bank.open(expect_kv=...)`` holds a bank to (a
+        bank's storage matters only to a reader of its per-layer KV)."""
+        return self.bank.kv_scheme() if self.memory.reads_kv else None
 
 
 Config.__renamed__ = {"model": "backbone"}  # old section name -> new (read with a warning for one release)

@@ -245,6 +245,91 @@ class IndexConfig:
     group's keys (moved at each search) on that GPU too."""
 
 
+KV_INT_BITS = {"int8": 8, "int4": 4}
+"""Code width of each integer ``bank.kv_dtype`` / ``bank.kv_key_dtype`` (``elasticmem.bank.quant``)."""
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """How a bank stores each chunk's per-layer keys and values, as one value: ``bank.kv_dtype``,
+    ``bank.kv_key_dtype``, ``bank.kv_key_group`` and ``bank.kv_group_size`` (``BankConfig.kv_scheme``).
+    The manifest's ``kv`` record holds it (``elasticmem.bank.kv_store.KVFormat``), a build or a
+    conversion writes it, and a reader is held to it (``Bank.open(expect_kv=...)``,
+    ``Bank.require_kv``). Normalized at construction, so that two spellings of one storage compare
+    equal: a float dtype keeps no ranges (its other fields are 'same', 0, 0, as a float16 bank
+    built with ``bank.kv_key_group=16`` stores exactly what one without does), and keys at the
+    values' width are ``key_dtype='same'``."""
+
+    dtype: str = "float16"
+    """The values' storage (and the keys', unless ``key_dtype`` says otherwise)."""
+    key_dtype: str = "same"
+    """The keys' code width when it differs from the values' ('int8' with dtype int4: K8V4)."""
+    key_group: int = 0
+    """Stored slots that share the keys' per-channel ranges, from a chunk's oldest (0: all of them)."""
+    group_size: int = 32
+    """Value channels that share a scale and minimum (0 for a float dtype)."""
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:  # the dataclass is frozen: normalize once, here
+            object.__setattr__(self, name, value)
+
+        if self.key_dtype == self.dtype:
+            put("key_dtype", "same")
+        if not self.quantized:
+            _require(self.key_dtype == "same", f"kv_key_dtype={self.key_dtype} needs an integer kv_dtype "
+                     f"(int8 or int4), got kv_dtype={self.dtype}: float states have no codes to widen")
+            put("key_group", 0)
+            put("group_size", 0)
+            return
+        _require(self.key_dtype == "same" or self.key_dtype in KV_INT_BITS,
+                 f"kv_key_dtype must be 'same' or one of {tuple(KV_INT_BITS)}, got {self.key_dtype!r}")
+        _require(self.group_size >= 1, f"kv_group_size must be >= 1, got {self.group_size}")
+        _require(self.key_group >= 0, f"kv_key_group must be >= 0 (0: a key range per chunk), got {self.key_group}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the states are stored as integer codes (int8 / int4 values)."""
+        return self.dtype in KV_INT_BITS
+
+    @property
+    def key_bits(self) -> int | None:
+        """The keys' code width (None: a float dtype)."""
+        return KV_INT_BITS.get(self.dtype if self.key_dtype == "same" else self.key_dtype)
+
+    @property
+    def value_bits(self) -> int | None:
+        """The values' code width (None: a float dtype)."""
+        return KV_INT_BITS.get(self.dtype)
+
+    def settings(self) -> dict[str, object]:
+        """The config keys that build this scheme (the float dtypes' have no other), for messages
+        that say what to set."""
+        out: dict[str, object] = {"bank.kv_dtype": self.dtype}
+        if self.quantized:
+            out.update({"bank.kv_key_dtype": self.key_dtype, "bank.kv_key_group": self.key_group,
+                        "bank.kv_group_size": self.group_size})
+        return out
+
+    def held(self) -> dict[str, object]:
+        """The settings a reader must share with the bank it reads (``Bank.require_kv``): all but
+        ``bank.kv_group_size``, which no reader was held to before these fields (a bank built with
+        other value groups keeps being read as it was)."""
+        return {"bank.kv_dtype": self.dtype, "bank.kv_key_dtype": self.key_dtype, "bank.kv_key_group": self.key_group}
+
+    def how(self) -> str:
+        """E.g. 'keys int8 per channel over each chunk, values per token in groups of 32' ('' for a
+        float dtype): what ``describe`` and the manifest's readers say."""
+        if not self.quantized:
+            return ""
+        width = "" if self.key_dtype == "same" else f" {self.key_dtype}"
+        over = f"runs of {self.key_group} slots" if self.key_group else "each chunk"
+        return f"keys{width} per channel over {over}, values per token in groups of {self.group_size}"
+
+    def describe(self) -> str:
+        """E.g. 'int4 (keys int8 per channel over each chunk, values per token in groups of 32)'."""
+        return f"{self.dtype} ({self.how()})" if self.quantized else self.dtype
+
+
 @dataclass
 class BankConfig:
     """The latent memory bank: keys + content caches (DESIGN.md sections 1.1 and 3.1)."""
@@ -303,15 +388,35 @@ class BankConfig:
     read are left out). The build prints and records its bytes per chunk (docs/bank.md)."""
     kv_dtype: Literal["float16", "bfloat16", "float32", "int8", "int4"] = "float16"
     """Storage dtype of the per-layer keys and values (kv_cache). 'int8' and 'int4' quantize the
-    float16 states in the KIVI layout: keys per channel over each chunk, values per token in
-    groups of kv_group_size channels (elasticmem.bank.quant: measured errors and why), int4 two
-    codes a byte; they are dequantized on the reader's device when read. SmolLM2-135M, a chunk of
-    40 tokens: 0.90 MB float16, 0.50 MB int8, 0.28 MB int4. A bank is read at the dtype it was
-    built with (another is refused); build_bank.py --convert turns a float16 bank into int8/int4
-    without encoding it again."""
+    float16 states in the KIVI layout: keys per channel over each chunk (or runs of kv_key_group
+    positions; at kv_key_dtype's width when set), values per token in groups of kv_group_size
+    channels (elasticmem.bank.quant: measured errors and why), int4 two codes a byte; they are
+    dequantized on the reader's device when read. SmolLM2-135M, a chunk of 40 tokens: 0.90 MB
+    float16, 0.50 MB int8, 0.28 MB int4 (0.35 MB with kv_key_group=16, 0.39 MB with
+    kv_key_dtype=int8, the most accurate int4 setting: docs/bank.md, which to choose). A bank is
+    read at the dtype it was built with (another is refused); build_bank.py --convert turns a
+    float16 bank into int8/int4 without encoding it again."""
     kv_group_size: int = 32
     """int8/int4 kv_dtype: value channels that share a scale and minimum (must divide the head
     width). 32 costs 1 bit a value; 16 lowers the error of values a little at 2 bits a value."""
+    kv_key_group: int = 0
+    """int8/int4 kv_dtype: stored positions of a chunk whose keys share a per-channel scale and
+    minimum, in runs from the chunk's oldest; 0 = all of the chunk's (KIVI, as banks were built
+    before). 16 cuts int4's next-token KL by 37 % (0.0054 -> 0.0034 nats, SmolLM2) for 1 bit a
+    value more (5.9 bits with the scales, against 4.85; a chunk keeps ceil(slots / 16) key ranges):
+    0.35 MB a 40-token chunk against 0.28 (elasticmem.bank.quant). A bank is read with the setting
+    it was built with (another is refused); build_bank.py --convert re-stores a float16 bank with
+    it."""
+    kv_key_dtype: Literal["same", "int8", "int4"] = "same"
+    """int8/int4 kv_dtype: the keys' code width when it differs from the values' ('same': kv_dtype's,
+    as banks were built before). kv_dtype=int4 with kv_key_dtype=int8 (K8V4) is int4's most accurate
+    setting measured: the next-token KL after one chunk read as KV drops 5x (0.0054 -> 0.0012 nats,
+    top-1 agreement 0.982 -> 0.997, SmolLM2) for 6.85 bits a value with the scales (int4: 4.85,
+    kv_key_group=16: 5.9): 0.39 MB a 40-token chunk (int4 0.28, int8 0.50, float16 0.90). Why the
+    keys: a reader's error follows the keys' (their outlier channels share one range per chunk), not
+    the values' (elasticmem.bank.quant). Only with an integer kv_dtype; a bank is read with the
+    setting it was built with (another is refused); build_bank.py --convert re-stores a float16
+    bank with it."""
     hidden_cache: Literal["auto", "true", "false"] = "auto"
     """Store the content cache of hidden states (``cache`` in the shards). Only the projector path
     reads it: memory.content=hidden and the projector's warm-up (warmup.align_steps); retrieval
@@ -329,12 +434,20 @@ class BankConfig:
         if isinstance(self.hidden_cache, bool):  # BankConfig(hidden_cache=False) from Python
             self.hidden_cache = "true" if self.hidden_cache else "false"
         _require(self.kv_group_size >= 1, f"kv_group_size must be >= 1, got {self.kv_group_size}")
+        _require(self.kv_key_group >= 0, f"kv_key_group must be >= 0 (0: a key range per chunk), got "
+                 f"{self.kv_key_group}")
+        self.kv_scheme()  # kv_key_dtype only with an integer kv_dtype (KVScheme's checks)
         if self.part:
             k, sep, n = self.part.partition("/")
             _require(sep == "/" and k.isdigit() and n.isdigit() and int(k) < int(n),
                      f"part must be 'K/N' with 0 <= K < N (e.g. '0/4'), got {self.part!r}")
             _require(not self.overwrite, "part and overwrite together would let each part wipe the others' "
                      "shards: delete the folder first instead")
+
+    def kv_scheme(self) -> KVScheme:
+        """How this config stores per-layer keys and values (kv_cache), as the one value a build,
+        a conversion and a reader's check take (the integer settings drop out for a float kv_dtype)."""
+        return KVScheme(self.kv_dtype, self.kv_key_dtype, self.kv_key_group, self.kv_group_size)
 
     def part_index(self) -> tuple[int, int] | None:
         """(K, N) of ``part`` (validated at construction), or None for the whole build."""

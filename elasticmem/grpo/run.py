@@ -221,7 +221,7 @@ def _build_model(cfg: Config, acc) -> tuple[torch.nn.Module, Any, Any]:
 
     t = cfg.train
     backbone = load_backbone(cfg.backbone, device=acc.device)
-    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv_dtype=cfg.kv_dtype_read)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv=cfg.kv_scheme_read)
     mem_cfg = cfg.memory
     index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if t.system == "memgen":

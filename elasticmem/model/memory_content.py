@@ -17,6 +17,7 @@ from torch import nn
 
 from elasticmem.bank.follow import snapshot_change
 from elasticmem.bank.store import Bank
+from elasticmem.config import KVScheme
 from elasticmem.model.injection import KVPiece
 from elasticmem.model.projector import Projector, select_last_valid
 
@@ -45,16 +46,17 @@ def projected_memories(bank: Bank, projector: Projector, rows: torch.Tensor, bud
 
 
 def kv_memories(bank: Bank, rows: torch.Tensor, budgets: torch.Tensor, device: torch.device | None = None,
-                kv_dtype: str | None = None) -> tuple[list[list[KVPiece]], torch.Tensor]:
+                kv: KVScheme | None = None) -> tuple[list[list[KVPiece]], torch.Tensor]:
     """memory.content=kv: per trajectory, each memory's last min(b_j, readable slots) per-layer
     keys and values (``Bank.kv_lengths``), and those counts [N, Z]; ``rows``, ``budgets`` [N, Z].
 
     Only those slots are read from the bank and moved to ``device`` (None: they stay on the CPU),
-    where an int8 / int4 bank's codes are dequantized (``Bank.kv_slots``). ``kv_dtype``: the
-    ``bank.kv_dtype`` the reader was configured with; a bank stored at another is refused.
+    where an int8 / int4 bank's codes are dequantized (``Bank.kv_slots``). ``kv``: the
+    ``bank.kv_scheme()`` the reader was configured with; a bank stored otherwise is refused
+    (``Bank.require_kv``; None: not checked).
     """
-    if kv_dtype is not None:
-        bank.require_kv_dtype(kv_dtype)
+    if kv is not None:
+        bank.require_kv(kv)
     N, Z = rows.shape
     flat_rows, flat_b = rows.reshape(-1), budgets.reshape(-1)
     use = (flat_rows >= 0) & (flat_b > 0)

@@ -207,7 +207,7 @@ def run(cfg: Config) -> dict[str, Any]:
     save_config(cfg, out / "config.yaml")
     torch.manual_seed(cfg.seed)
     backbone = load_backbone(cfg.backbone)  # the model as the warm-up builds it (systems sits above this layer)
-    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv_dtype=cfg.kv_dtype_read)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv=cfg.kv_scheme_read)
     model = ElasticMem(backbone, cfg.memory, bank, build_index(bank, cfg.bank.index, cfg.seed, device=backbone.device))
     check_init(cfg.eval.checkpoint, model)
     model.load_weights(cfg.eval.checkpoint)

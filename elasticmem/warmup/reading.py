@@ -147,7 +147,7 @@ def warmup(cfg: Config) -> dict[str, Any]:
     save_config(cfg, out / "config.yaml")
     set_seed(cfg.seed)
     backbone = load_backbone(cfg.backbone)
-    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv_dtype=cfg.kv_dtype_read)
+    bank = Bank.open(cfg.bank.dir, expect_fingerprint=backbone.fingerprint, expect_kv=cfg.kv_scheme_read)
     mem_cfg = cfg.memory
     index = build_index(bank, cfg.bank.index, cfg.seed, backbone.device.index or 0, device=backbone.device)
     if memgen:

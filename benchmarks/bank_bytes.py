@@ -2,6 +2,7 @@
 every KV dtype, next to the hidden-state (projector) variant: the planner of docs/cluster.md.
 
     python benchmarks/bank_bytes.py [--chunk-tokens 90] [--out docs/results/cluster/bank_bytes.json]
+    python benchmarks/bank_bytes.py --bank runs/bank/locomo_mc10 --max-budget 128   # a built bank at every scheme
 
 No model is loaded: each shape's per-layer keys and values for one block of chunks are random tensors of
 that shape, stored by the bank's own code (``elasticmem.bank.kv_store.encode_rows``, the int8 / int4
@@ -71,13 +72,38 @@ def plan(chunk_tokens: int, max_budget: int, n_cache_hidden: int) -> list[dict]:
     return out
 
 
+def bank_at_schemes(root: str, max_budget: int, schemes: dict[str, KVScheme] | None = None) -> list[dict]:
+    """What a built bank's per-layer KV and keys would take at each storage, from its chunks' token
+    counts (``chunks.jsonl``) and its backbone's shape: each chunk keeps ``min(n_tokens - 1, max_budget)``
+    positions. ``schemes``: the storages by label (default: the planner's ``SCHEMES``)."""
+    from elasticmem.bank import Bank
+
+    bank = Bank.open(root)
+    if not bank.kv:
+        raise SystemExit(f"{root} holds no per-layer KV (bank.kv_cache=false): nothing to plan")
+    layers, heads, hd = bank.kv["layers"], bank.kv["kv_heads"], bank.kv["head_dim"]
+    slots = [min(c["n_tokens"] - 1, max_budget) for c in bank.chunks()]
+    counts = {s: slots.count(s) for s in set(slots)}
+    out = []
+    for label, scheme in (schemes or SCHEMES).items():
+        per = {s: kv_bytes_per_chunk(layers, heads, hd, scheme, s, max_budget, rows=2) for s in counts}
+        total = sum(n * (4 * bank.hidden_size + per[s]) for s, n in counts.items())
+        out.append({"storage": label, "chunks": len(slots), "bytes": total})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunk-tokens", type=int, default=90, help="tokens a chunk (LoCoMo's turn pairs: median 87)")
     ap.add_argument("--max-budget", type=int, default=128, help="memory.policy.max_budget: positions kept a chunk")
     ap.add_argument("--n-cache-hidden", type=int, default=20, help="bank.n_cache of the hidden-state variant")
     ap.add_argument("--out", help="also write the rows as a results file")
+    ap.add_argument("--bank", help="instead: a built bank's bytes at every storage (its chunks' lengths)")
     args = ap.parse_args(argv)
+    if args.bank:
+        for r in bank_at_schemes(args.bank, args.max_budget):
+            print(f"{r['storage']:24s} {r['bytes'] / 1e9:7.2f} GB ({r['chunks']} chunks, KV + keys)")
+        return 0
     rows = plan(args.chunk_tokens, args.max_budget, args.n_cache_hidden)
     for r in rows:
         print(f"{r['model']:14s} {r['storage']:36s} {r['bytes_per_chunk'] / 1e6:8.3f} MB a chunk "

@@ -393,6 +393,9 @@ def test_bytes_per_chunk_in_the_manifest_are_the_files_size_and_the_planners(ban
     plan = {c: bank_bytes.kv_bytes_per_chunk(kv["layers"], kv["kv_heads"], kv["head_dim"], scheme, c, N_CACHE)
             for c in set(lens)}
     assert sum(plan[c] for c in lens) == _kv_bytes(bank, scheme)
+    # the planner's estimate for a built bank at each storage: this bank's own bytes at its own
+    (at,) = bank_bytes.bank_at_schemes(str(bank.root), N_CACHE, {name: scheme})
+    assert at["bytes"] == _kv_bytes(bank, scheme) + n * d * 4
 
 
 def test_a_kv_reader_gets_no_hidden_cache_no_padding_and_nothing_past_its_budget(tmp_path, examples):

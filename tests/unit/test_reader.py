@@ -6,6 +6,8 @@ against the systems whose prompt it shares, on the tiny random backbone.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,3 +99,26 @@ def test_one_memory_list_per_example(setup):
     _, examples = setup
     with pytest.raises(ValueError, match="memory lists"):
         SharedPromptReader.from_backbone(backbone(), settings()).answer(examples[:2], [[]])
+
+
+def test_a_question_without_evidence_reads_nothing_at_the_evidence_rungs(setup):
+    """A question that records no evidence (LoCoMo has two in its test split) reads no memory at the
+    evidence-alone rung and gets no budget at the oracle's, in a batch whose other questions read
+    their own evidence."""
+    from elasticmem.eval.retrieval import evidence_rows
+
+    bank, examples = setup
+    bare = dataclasses.replace(examples[0], extra={k: v for k, v in examples[0].extra.items() if k != "evidence"})
+    batch = [bare, *examples[1:4]]
+    assert not evidence_rows(bare, bank) and all(evidence_rows(ex, bank) for ex in batch[1:])
+    model = ElasticMem(backbone(), settings(), bank).eval()
+    alone = ElasticMemSystem(model, "x", memories="evidence", budgets="max").predict(batch)
+    assert alone[0].retrieved == [] and alone[0].memory_tokens == 0
+    for ex, p in zip(batch[1:], alone[1:]):
+        assert {int(m.ref[4:]) for m in p.retrieved} == evidence_rows(ex, bank) and p.memory_tokens > 0
+    oracle = ElasticMemSystem(model, "x", budgets="oracle").predict(batch)
+    assert len(oracle[0].retrieved) == 3 and [m.budget for m in oracle[0].retrieved] == [0, 0, 0]
+    assert oracle[0].memory_tokens == 0
+    for ex, p in zip(batch[1:], oracle[1:]):
+        ev = evidence_rows(ex, bank)
+        assert [m.budget > 0 for m in p.retrieved] == [int(m.ref[4:]) in ev for m in p.retrieved]

@@ -27,5 +27,6 @@ bash scripts/persona_recipe.sh "$@"
 source scripts/setup.sh >/dev/null 2>&1
 args=(--config "$CONFIG" data.dir="$OUT/data" bank.dir="$OUT/bank" "$@")
 [ -e "$OUT/full_context/results.json" ] ||
-  python evaluate.py "${args[@]}" eval.system=full_context eval.checkpoint=null eval.output_dir="$OUT/full_context"
+  python evaluate.py "${args[@]}" eval.system=full_context eval.checkpoint=null eval.output_dir="$OUT/full_context" \
+    'eval.variants={}'
 echo "[locomo] done: $OUT/summary.md, $OUT/full_context/report.md" >&2

@@ -109,7 +109,7 @@ for s in $SEEDS; do
     system=$([ "$arm" = text ] && echo text_rag || echo no_memory)
     stage "seed $s: $arm arm, evaluated" "$run/ladder/${arm}_trained/results.json" python evaluate.py --config "$CONFIG" \
       "${common[@]}" seed="$s" eval.system="$system" eval.checkpoint="$run/$arm/train/final" \
-      eval.output_dir="$run/ladder/${arm}_trained" "$@"
+      eval.output_dir="$run/ladder/${arm}_trained" 'eval.variants={}' "$@"   # one system, whatever the preset lists
   done
 done
 

@@ -74,7 +74,11 @@ def test_locomo_script_is_the_recipe_on_locomo(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "set LOCOMO" in p.stderr
     locomo, out = locomo_file(tmp_path, per_conv=3), tmp_path / "locomo"  # 4 MC questions a conversation
-    env |= {"LOCOMO": str(locomo), "OUT": str(out), "CONFIG": "configs/tiny_mechanism.yaml", "MAP": "0",
+    # a preset that lists comparison variants, as configs/locomo_mc10.yaml does: an arm's evaluation is still one system
+    preset = yaml.safe_load((ROOT / "configs" / "tiny_mechanism.yaml").read_text())
+    preset.setdefault("eval", {})["variants"] = {"elasticmem": [], "text_rag": ["eval.system=text_rag"]}
+    (tmp_path / "preset.yaml").write_text(yaml.safe_dump(preset))
+    env |= {"LOCOMO": str(locomo), "OUT": str(out), "CONFIG": str(tmp_path / "preset.yaml"), "MAP": "0",
             "ARMS": "no_memory"}
     p = subprocess.run(["bash", str(script), *OVERRIDES], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

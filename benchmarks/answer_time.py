@@ -462,6 +462,7 @@ def summarize(args, examples: list, acc: dict[str, Any]) -> dict[str, Any]:
     cells = acc["cells"]
     for (key, n), runs in acc["samples"].items():
         cells[key].setdefault("systems", {})[n] = system_summary(runs, cells[key]["records"][n], cells[key]["batch"])
+    chunks_of = {b: Bank.open(b).chunks() for b in {c["bank"] for c in cells.values()}}  # each bank's once
     for c in cells.values():
         s = c["systems"]
         for n in ("kv_max", "kv_learned", "hidden"):
@@ -469,7 +470,7 @@ def summarize(args, examples: list, acc: dict[str, Any]) -> dict[str, Any]:
                 c[f"{n}_over_text"] = s[n]["per_question_s"]["total_warm"] / s["text"]["per_question_s"]["total_warm"]
         recs = c["records"]
         rows = [r for row in (recs.get("text") or recs.get("kv_max") or {"rows": []})["rows"] for r in row if r >= 0]
-        chunks = Bank.open(c["bank"]).chunks()
+        chunks = chunks_of[c["bank"]]
         c["mean_chunk_tokens"] = sum(chunks[r]["n_tokens"] for r in rows) / len(rows) if rows else 0.0
     return {"settings": {k: v for k, v in vars(args).items() if k not in ("write_readme", "from_json")},
             "threads": torch.get_num_threads(), "cpu": cpu_name(), "load_average_end": os.getloadavg(),

@@ -40,12 +40,12 @@ import torch
 from torch import Tensor
 
 from elasticmem.bank.manifest import KV_FORMAT_VERSION, BankError
-from elasticmem.bank.quant import BITS, SCHEME, dequantize_slots, key_range_of, key_ranges, quantize_slots
-from elasticmem.config import BankConfig, KVScheme, MemoryConfig
+from elasticmem.bank.quant import SCHEME, dequantize_slots, key_range_of, key_ranges, quantize_slots
+from elasticmem.config import KV_INT_BITS, BankConfig, KVScheme, MemoryConfig
 from elasticmem.utils.configuration import ConfigError
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-KV_DTYPES = FLOAT_DTYPES + tuple(BITS)
+KV_DTYPES = FLOAT_DTYPES + tuple(KV_INT_BITS)
 SLOTS = "kv_slots"
 """Prefix of the tensors with one entry per stored slot (ragged layout)."""
 KV_LEN = "kv_len"

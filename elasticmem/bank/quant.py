@@ -73,10 +73,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from elasticmem.config import KV_INT_BITS, KVScheme
+from elasticmem.config import KVScheme
 
-BITS = KV_INT_BITS
-"""Code width of each integer ``bank.kv_dtype``."""
 SCHEME = "kivi"
 """The manifest's name for this layout (keys per channel over a chunk, or over runs of ``kv.key_group``
 slots, maybe at their own width ``kv.key_dtype``; values per token in groups)."""
@@ -174,5 +172,5 @@ def dequantize_slots(q: Mapping[str, Tensor], scheme: KVScheme, dtype: torch.dty
     return torch.stack([k, v], 2).to(dtype)
 
 
-__all__ = ["BITS", "KVScheme", "SCHEME", "dequantize_slots", "key_range_of", "key_ranges", "pack_int4",
+__all__ = ["KVScheme", "SCHEME", "dequantize_slots", "key_range_of", "key_ranges", "pack_int4",
            "quantize_slots", "unpack_int4"]

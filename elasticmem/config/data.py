@@ -301,15 +301,6 @@ class KVScheme:
         """The values' code width (None: a float dtype)."""
         return KV_INT_BITS.get(self.dtype)
 
-    def settings(self) -> dict[str, object]:
-        """The config keys that build this scheme (the float dtypes' have no other), for messages
-        that say what to set."""
-        out: dict[str, object] = {"bank.kv_dtype": self.dtype}
-        if self.quantized:
-            out.update({"bank.kv_key_dtype": self.key_dtype, "bank.kv_key_group": self.key_group,
-                        "bank.kv_group_size": self.group_size})
-        return out
-
     def held(self) -> dict[str, object]:
         """The settings a reader must share with the bank it reads (``Bank.require_kv``): all but
         ``bank.kv_group_size``, which no reader was held to before these fields (a bank built with
